@@ -1,0 +1,115 @@
+"""Chunk keys: 128-bit xxh3 digests of token ids under a salt, the same in every process and host.
+
+prefix keys (chained):   k_0 = H(salt || tokens_0),  k_i = H(k_{i-1} || tokens_i)
+segment keys (position-free):  H(salt || b"segment" || tokens)
+where salt = Salt.digest() (16 bytes) and tokens are little-endian int32 bytes.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from storage_backends.base import check_namespace
+
+KEY_NBYTES = 16
+
+
+def _field(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<I", len(b)) + b  # length-prefixed, so ("ab","c") != ("a","bc")
+
+
+@dataclass(frozen=True, slots=True)
+class Salt:
+    """What makes KV interchangeable. Two salts that differ in any field never share a key."""
+    model_fingerprint: str  # architecture + weights digest (or checkpoint identity) + dtype
+    kv_format: str  # layout, kv dtype, quantization, segment format version
+    tp_size: int = 1
+    tp_rank: int = 0
+    chunk_size: int = 256
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        if not (self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
+            raise ValueError(f"bad tensor-parallel rank {self.tp_rank} of size {self.tp_size}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if not self.model_fingerprint or not self.kv_format:
+            raise ValueError("model_fingerprint and kv_format must be non-empty")
+        check_namespace(self.namespace)
+
+    def fingerprint(self) -> bytes:
+        """16 bytes binding model, KV format, TP and chunk size (not the tenant): stored in headers."""
+        data = (b"tierkv-salt-v1" + _field(self.model_fingerprint) + _field(self.kv_format)
+                + struct.pack("<III", self.tp_size, self.tp_rank, self.chunk_size))
+        return xxhash.xxh3_128_digest(data)
+
+    def digest(self) -> bytes:
+        """16 bytes: the fingerprint plus the namespace; the seed of every key."""
+        return xxhash.xxh3_128_digest(self.fingerprint() + _field(self.namespace))
+
+
+def as_tokens(tokens) -> np.ndarray:
+    """Token ids as a contiguous little-endian int32 array; ValueError on anything else."""
+    if hasattr(tokens, "detach"):  # a torch tensor, without importing torch here
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.dtype("<i4") and (int(arr.min()) < 0 or int(arr.max()) >= 2**31):
+        raise ValueError("token ids must be in [0, 2**31)")
+    return np.ascontiguousarray(arr, dtype="<i4")
+
+
+class ChunkHasher:
+    """Turns token ids into chunk keys under one salt."""
+
+    def __init__(self, salt: Salt) -> None:
+        self.salt = salt
+        self.chunk_size = salt.chunk_size
+        self._seed = salt.digest()
+
+    def chunks(self, tokens, partial: bool = False) -> list[tuple[int, int]]:
+        n = len(tokens)
+        c = self.chunk_size
+        ends = list(range(c, n + 1, c))
+        if partial and n % c:
+            ends.append(n)
+        return [(e - c if e % c == 0 else e - e % c, e) for e in ends]
+
+    def prefix_keys(self, tokens, partial: bool = False) -> list[bytes]:
+        """One chained key per full chunk (and the partial last chunk when partial)."""
+        arr = as_tokens(tokens)
+        mv = memoryview(arr).cast("B")
+        keys: list[bytes] = []
+        prev = self._seed
+        for a, b in self.chunks(arr, partial):
+            h = xxhash.xxh3_128(prev)
+            h.update(mv[4 * a:4 * b])
+            prev = h.digest()
+            keys.append(prev)
+        return keys
+
+    def segment_key(self, tokens) -> bytes:
+        """Position-free key of a standalone segment (a RAG document, a tool result)."""
+        h = xxhash.xxh3_128(self._seed)
+        h.update(b"segment")
+        h.update(memoryview(as_tokens(tokens)).cast("B"))
+        return h.digest()
+
+    def prefix_length(self, present: Sequence[bool]) -> int:
+        """Number of leading chunks present: the reusable prefix of a chained key list."""
+        n = 0
+        for p in present:
+            if not p:
+                break
+            n += 1
+        return n

@@ -1,0 +1,353 @@
+"""KV segments: the one encoding of a chunk's KV, in memory, in files, in Redis, on the wire.
+
+Byte format (version 1, all integers little-endian):
+
+    prefix   20 B   magic b"TKVS" | version u16 | flags u16 (0) | header_nbytes u32
+                    | header_checksum u64 (xxh3_64 of bytes [20, header_nbytes))
+    fixed    64 B   key 16s | parent 16s | num_layers u32 | num_tokens u32
+                    | num_kv_heads u32 | head_dim u32 | base_position i64
+                    | dtype u8 | quant u8 | codec u8 | 0 u8 | fingerprint_len u32
+    fingerprint     fingerprint_len bytes
+    tokens          int32[num_tokens]
+    scales          float32[num_layers, 2, num_kv_heads]   (only when quant is fp8_e4m3)
+    layer table     num_layers x (offset u64, length u64, checksum u64); offset is from the
+                    payload start; checksum is xxh3_64 of the layer's *decoded* bytes
+    zero padding    up to header_nbytes, a multiple of 64
+    payload         layer-major [num_layers, 2, num_tokens, num_kv_heads, head_dim], each
+                    layer encoded by the codec: none (raw), lz4 (lz4 block), shuffle+lz4
+                    (byte planes of each element, then lz4 block)
+
+A reader may fetch `PREFIX_NBYTES`, then `header_nbytes`, then one layer's byte range at a
+time, and check each layer alone with `decode_layer`. Anything malformed raises SegmentError.
+"""
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass
+
+import lz4.block
+import numpy as np
+import torch
+import xxhash
+
+MAGIC = b"TKVS"
+VERSION = 1
+PREFIX = struct.Struct("<4sHHIQ")
+FIXED = struct.Struct("<16s16sIIIIqBBBBI")
+LAYER = struct.Struct("<QQQ")
+PREFIX_NBYTES = PREFIX.size
+ALIGN = 64
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
+                                  "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+DTYPE_NAMES = list(DTYPES)
+QUANTS = ["none", "fp8_e4m3"]
+CODECS = ["none", "lz4", "shuffle+lz4"]
+MAX_DIM = 1 << 24  # bounds each shape field so garbage cannot ask for a huge allocation
+
+
+class SegmentError(ValueError):
+    """The one error for a malformed segment or bad segment input; the message says what."""
+
+
+def _frombuffer(buf, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only bytes are fine: tiers never write through views
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=dtype, offset=offset, count=count)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _checksum(raw) -> int:
+    return xxhash.xxh3_64_intdigest(raw)
+
+
+@dataclass(slots=True)
+class SegmentHeader:
+    """Everything about a segment except its payload; decodable from the first bytes alone."""
+    key: bytes
+    parent: bytes
+    num_layers: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    base_position: int
+    dtype: str
+    quant: str
+    codec: str
+    fingerprint: bytes
+    tokens: np.ndarray
+    scales: np.ndarray | None
+    layers: list[tuple[int, int]]  # (absolute offset in the encoded segment, length)
+    checksums: list[int]
+    header_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Length of the whole encoded segment."""
+        return self.header_nbytes + sum(n for _, n in self.layers)
+
+    @property
+    def layer_raw_nbytes(self) -> int:
+        return 2 * self.num_tokens * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+
+    @property
+    def payload_raw_nbytes(self) -> int:
+        return self.num_layers * self.layer_raw_nbytes
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.num_tokens, self.num_kv_heads, self.head_dim)
+
+    @staticmethod
+    def peek_nbytes(prefix) -> int:
+        """header_nbytes from the first PREFIX_NBYTES bytes, so a reader knows what to fetch."""
+        mv = memoryview(prefix).cast("B")
+        if len(mv) < PREFIX_NBYTES:
+            raise SegmentError(f"truncated segment: {len(mv)} bytes, the prefix needs {PREFIX_NBYTES}")
+        magic, version, flags, header_nbytes, _ = PREFIX.unpack_from(mv)
+        if magic != MAGIC:
+            raise SegmentError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise SegmentError(f"unsupported segment format version {version}, expected {VERSION}")
+        if flags != 0 or header_nbytes % ALIGN or header_nbytes < PREFIX_NBYTES + FIXED.size:
+            raise SegmentError(f"bad prefix: flags={flags} header_nbytes={header_nbytes}")
+        return header_nbytes
+
+    @staticmethod
+    def decode(buf) -> "SegmentHeader":
+        mv = memoryview(buf).cast("B")
+        hn = SegmentHeader.peek_nbytes(mv)
+        if len(mv) < hn:
+            raise SegmentError(f"truncated header: {len(mv)} bytes, the header needs {hn}")
+        if _checksum(mv[PREFIX_NBYTES:hn]) != PREFIX.unpack_from(mv)[4]:
+            raise SegmentError("header checksum mismatch")
+        (key, parent, nl, nt, nh, hd, base, dt, qu, co, _, fl) = FIXED.unpack_from(mv, PREFIX_NBYTES)
+        if not (1 <= nl <= 4096 and 1 <= nt <= MAX_DIM and 1 <= nh <= 4096 and 1 <= hd <= 4096):
+            raise SegmentError(f"bad shape [{nl}, 2, {nt}, {nh}, {hd}]")
+        if dt >= len(DTYPE_NAMES) or qu >= len(QUANTS) or co >= len(CODECS):
+            raise SegmentError(f"bad dtype/quant/codec codes {dt}/{qu}/{co}")
+        dtype, quant = DTYPE_NAMES[dt], QUANTS[qu]
+        if (quant == "fp8_e4m3") != (dtype == "float8_e4m3fn"):
+            raise SegmentError(f"quant {quant} does not match dtype {dtype}")
+        nscales = nl * 2 * nh if quant == "fp8_e4m3" else 0
+        pos = PREFIX_NBYTES + FIXED.size
+        need = pos + fl + 4 * nt + 4 * nscales + LAYER.size * nl
+        if need > hn:
+            raise SegmentError(f"header fields need {need} bytes, header_nbytes is {hn}")
+        fingerprint = bytes(mv[pos:pos + fl]); pos += fl
+        tokens = np.frombuffer(mv, dtype="<i4", count=nt, offset=pos).astype(np.int32); pos += 4 * nt
+        scales = None
+        if nscales:
+            scales = np.frombuffer(mv, dtype="<f4", count=nscales, offset=pos).reshape(nl, 2, nh).copy()
+            pos += 4 * nscales
+        h = SegmentHeader(bytes(key), bytes(parent), nl, nt, nh, hd, base, dtype, quant,
+                          CODECS[co], fingerprint, tokens, scales, [], [], hn)
+        at, raw = 0, h.layer_raw_nbytes
+        for i in range(nl):
+            off, n, ck = LAYER.unpack_from(mv, pos + i * LAYER.size)
+            if off != at or n == 0 or (h.codec == "none" and n != raw) or n > raw + raw // 8 + 1024:
+                raise SegmentError(f"layer {i}: offset {off} length {n} do not match shape "
+                                   f"(expected offset {at}, raw length {raw}, codec {h.codec})")
+            h.layers.append((hn + off, n)); h.checksums.append(ck); at += n
+        return h
+
+    def encode(self) -> bytes:
+        fixed = FIXED.pack(self.key, self.parent, self.num_layers, self.num_tokens, self.num_kv_heads,
+                           self.head_dim, self.base_position, DTYPE_NAMES.index(self.dtype),
+                           QUANTS.index(self.quant), CODECS.index(self.codec), 0, len(self.fingerprint))
+        parts = [fixed, self.fingerprint, self.tokens.astype("<i4").tobytes()]
+        if self.scales is not None:
+            parts.append(self.scales.astype("<f4").tobytes())
+        parts += [LAYER.pack(off - self.header_nbytes, n, ck) for (off, n), ck in zip(self.layers, self.checksums)]
+        body = b"".join(parts)  # small: the header only, never the payload
+        body += bytes(self.header_nbytes - PREFIX_NBYTES - len(body))
+        return PREFIX.pack(MAGIC, VERSION, 0, self.header_nbytes, _checksum(body)) + body
+
+
+def header_nbytes_for(num_layers: int, num_tokens: int, num_kv_heads: int, fingerprint_len: int,
+                      quant: str) -> int:
+    n = PREFIX_NBYTES + FIXED.size + fingerprint_len + 4 * num_tokens + LAYER.size * num_layers
+    n += 4 * num_layers * 2 * num_kv_heads if quant == "fp8_e4m3" else 0
+    return -(-n // ALIGN) * ALIGN
+
+
+def _encode_layer(raw: memoryview, codec: str, itemsize: int):
+    if codec == "none":
+        return raw
+    if codec == "shuffle+lz4":
+        raw = np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T).data
+    return lz4.block.compress(raw, store_size=False)
+
+
+def _decode_layer_bytes(h: SegmentHeader, i: int, data) -> memoryview:
+    raw_n = h.layer_raw_nbytes
+    data = memoryview(data).cast("B")
+    if len(data) != h.layers[i][1]:
+        raise SegmentError(f"layer {i}: got {len(data)} bytes, header says {h.layers[i][1]}")
+    if h.codec != "none":
+        try:
+            out = lz4.block.decompress(data, uncompressed_size=raw_n)
+        except lz4.block.LZ4BlockError as e:
+            raise SegmentError(f"layer {i}: lz4 data is corrupt ({e})") from None
+        if len(out) != raw_n:
+            raise SegmentError(f"layer {i}: decompressed {len(out)} bytes, expected {raw_n}")
+        if h.codec == "shuffle+lz4":
+            size = DTYPES[h.dtype].itemsize
+            out = np.ascontiguousarray(np.frombuffer(out, np.uint8).reshape(size, -1).T).tobytes()
+        data = memoryview(out)
+    if _checksum(data) != h.checksums[i]:
+        raise SegmentError(f"layer {i}: checksum mismatch")
+    return data
+
+
+def decode_layer(header: SegmentHeader, i: int, data) -> torch.Tensor:
+    """Check and decode one layer's encoded bytes into a [2, T, H, D] tensor (a view for codec none)."""
+    if not 0 <= i < header.num_layers:
+        raise SegmentError(f"layer {i} out of range [0, {header.num_layers})")
+    raw = _decode_layer_bytes(header, i, data)
+    n = header.layer_raw_nbytes // DTYPES[header.dtype].itemsize
+    return _frombuffer(raw, DTYPES[header.dtype], 0, n).view(header.layer_shape)
+
+
+@dataclass(slots=True)
+class KVSegment:
+    """A chunk's KV plus what a reader must check before using it. payload is [L, 2, T, H, D]."""
+    key: bytes
+    parent: bytes
+    tokens: np.ndarray
+    fingerprint: bytes
+    num_layers: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    quant: str
+    scales: np.ndarray | None
+    base_position: int
+    codec: str
+    payload: torch.Tensor
+    checksums: list[int] | None = None  # of each layer's raw bytes; None until computed
+
+    @staticmethod
+    def from_tensor(kv: torch.Tensor, *, key: bytes, parent: bytes = bytes(16), tokens, fingerprint: bytes,
+                    base_position: int = 0, codec: str = "none", scales=None) -> "KVSegment":
+        """Wrap kv [L, 2, T, H, D] (shared, not copied, when contiguous); checks every field."""
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2 or kv.numel() == 0:
+            raise SegmentError(f"kv must be a non-empty [L, 2, T, H, D] tensor, got "
+                               f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+        names = {v: k for k, v in DTYPES.items()}
+        if kv.dtype not in names:
+            raise SegmentError(f"unsupported kv dtype {kv.dtype}; supported: {DTYPE_NAMES}")
+        if not (isinstance(key, bytes) and len(key) == 16 and isinstance(parent, bytes) and len(parent) == 16):
+            raise SegmentError("key and parent must be 16 bytes each")
+        if codec not in CODECS:
+            raise SegmentError(f"unknown codec {codec!r}; known: {CODECS}")
+        L, _, T, H, D = kv.shape
+        tok = np.asarray(tokens, dtype=np.int64)
+        if tok.shape != (T,) or (tok.size and (tok.min() < -2**31 or tok.max() >= 2**31)):
+            raise SegmentError(f"tokens must be {T} int32 values, got shape {tok.shape}")
+        dtype = names[kv.dtype]
+        quant = "fp8_e4m3" if dtype == "float8_e4m3fn" else "none"
+        if quant == "fp8_e4m3":
+            sc = np.asarray(scales if scales is not None else [], dtype=np.float32)
+            if sc.shape != (L, 2, H):
+                raise SegmentError(f"fp8 kv needs float32 scales [{L}, 2, {H}], got shape {sc.shape}")
+        elif scales is not None:
+            raise SegmentError(f"scales are only for float8_e4m3fn kv, not {dtype}")
+        else:
+            sc = None
+        if max(L, T, H, D) > MAX_DIM:
+            raise SegmentError(f"shape {tuple(kv.shape)} too large")
+        return KVSegment(key, parent, tok.astype(np.int32), bytes(fingerprint), L, T, H, D, dtype, quant,
+                         sc, int(base_position), codec, kv.contiguous())
+
+    def header(self, lengths: list[int] | None = None) -> SegmentHeader:
+        hn = header_nbytes_for(self.num_layers, self.num_tokens, self.num_kv_heads, len(self.fingerprint),
+                               self.quant)
+        raw = 2 * self.num_tokens * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+        lengths = lengths or [raw] * self.num_layers
+        offs = np.cumsum([0] + lengths[:-1]) + hn
+        return SegmentHeader(self.key, self.parent, self.num_layers, self.num_tokens, self.num_kv_heads,
+                             self.head_dim, self.base_position, self.dtype, self.quant, self.codec,
+                             self.fingerprint, self.tokens, self.scales,
+                             [(int(o), n) for o, n in zip(offs, lengths)], self.compute_checksums(), hn)
+
+    def compute_checksums(self) -> list[int]:
+        if self.checksums is None:
+            self.checksums = [_checksum(self._raw_layer(i)) for i in range(self.num_layers)]
+        return self.checksums
+
+    def _raw_layer(self, i: int) -> memoryview:
+        return _bytes_of(self.payload[i].cpu())
+
+    def encode_parts(self) -> tuple[SegmentHeader, bytes, list]:
+        """(header, header bytes, each layer's encoded bytes): lets a writer stream without a join."""
+        size = DTYPES[self.dtype].itemsize
+        blobs = [_encode_layer(self._raw_layer(i), self.codec, size) for i in range(self.num_layers)]
+        h = self.header([len(memoryview(b).cast("B")) for b in blobs])
+        return h, h.encode(), blobs
+
+    def encode(self) -> bytearray:
+        """The whole encoded segment in one allocation (a bytearray; bytes-like)."""
+        h, head, blobs = self.encode_parts()
+        out = bytearray(h.nbytes)
+        mv = memoryview(out)
+        mv[:len(head)] = head
+        for (off, n), b in zip(h.layers, blobs):
+            mv[off:off + n] = memoryview(b).cast("B")
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Header plus raw payload: the exact length of encode() for codec none."""
+        return header_nbytes_for(self.num_layers, self.num_tokens, self.num_kv_heads, len(self.fingerprint),
+                                 self.quant) + self.payload.numel() * self.payload.element_size()
+
+    @staticmethod
+    def decode(buf, verify: bool = True) -> "KVSegment":
+        """Decode; for codec none the payload is a view of buf, valid while buf is unchanged."""
+        mv = memoryview(buf).cast("B")
+        h = SegmentHeader.decode(mv)
+        if len(mv) != h.nbytes:
+            raise SegmentError(f"segment is {len(mv)} bytes, header says {h.nbytes}")
+        return KVSegment.from_parts(h, mv, verify)
+
+    @staticmethod
+    def from_parts(h: SegmentHeader, mv: memoryview, verify: bool = True) -> "KVSegment":
+        """Build from a decoded header and the whole encoded buffer mv (its payload at h.layers)."""
+        dt = DTYPES[h.dtype]
+        if h.codec == "none":
+            if verify:
+                for i, (off, n) in enumerate(h.layers):
+                    if _checksum(mv[off:off + n]) != h.checksums[i]:
+                        raise SegmentError(f"layer {i}: checksum mismatch")
+            payload = _frombuffer(mv, dt, h.header_nbytes, h.payload_raw_nbytes // dt.itemsize)
+        else:
+            raw = bytearray(h.payload_raw_nbytes)
+            n = h.layer_raw_nbytes
+            for i, (off, ln) in enumerate(h.layers):
+                raw[i * n:(i + 1) * n] = _decode_layer_bytes(h, i, mv[off:off + ln])
+            payload = torch.frombuffer(raw, dtype=dt)
+        return KVSegment(h.key, h.parent, h.tokens, h.fingerprint, h.num_layers, h.num_tokens, h.num_kv_heads,
+                         h.head_dim, h.dtype, h.quant, h.scales, h.base_position, h.codec,
+                         payload.view(h.num_layers, *h.layer_shape), list(h.checksums))
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer i's K and V, [2, T, H, D]: a view of the payload."""
+        return self.payload[i]
+
+    def tensor(self) -> torch.Tensor:
+        return self.payload
+
+    def verify(self) -> None:
+        """Recompute each layer's checksum against the recorded one; SegmentError on mismatch."""
+        if self.checksums is None:
+            self.compute_checksums()
+            return
+        for i in range(self.num_layers):
+            if _checksum(self._raw_layer(i)) != self.checksums[i]:
+                raise SegmentError(f"layer {i}: checksum mismatch")
