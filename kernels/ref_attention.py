@@ -1,0 +1,118 @@
+"""Torch reference of paged attention: the engine's CPU path, vectorized over sequences.
+
+Decode sequences (one query each) run as one padded batch; a sequence with several
+queries (prefill, chunked prefill, CacheBlend's sparse recompute) runs as its own SDPA
+call, so a long prefill never pads the decodes beside it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fp8 import is_fp8
+
+
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor,
+                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """Shape, dtype and range checks shared by the reference and the Triton path."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q must be [Nq, Hq, D], caches [num_blocks, block_size, Hkv, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    nq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d or hq % hkv:
+        raise ValueError(f"head dim {k_cache.shape[3]} vs {d}, or Hq={hq} not a multiple of Hkv={hkv}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q dtype {q.dtype} not supported")
+    if is_fp8(k_cache) != is_fp8(v_cache) or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share a dtype")
+    if is_fp8(k_cache):
+        for s in (k_scale, v_scale):
+            if s is None or s.shape != (hkv,) or s.dtype != torch.float32:
+                raise ValueError(f"fp8 KV needs float32 k_scale and v_scale of shape [{hkv}]")
+    elif k_cache.dtype != q.dtype and k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"cache dtype {k_cache.dtype} not supported")
+    b = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or cu_seqlens_q.shape != (b + 1,):
+        raise ValueError(f"block_tables [B, max_blocks], seq_lens [B], cu_seqlens_q [B+1] disagree: "
+                         f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}, {tuple(cu_seqlens_q.shape)}")
+    if q_positions.shape != (nq,):
+        raise ValueError(f"q_positions must be [{nq}], got {tuple(q_positions.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("cu_seqlens_q", cu_seqlens_q), ("q_positions", q_positions)):
+        if t.dtype not in (torch.int32, torch.int64) or t.device != q.device:
+            raise ValueError(f"{name} must be an int32/int64 tensor on {q.device}")
+
+
+def gather_heads(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Keys [0, length) of each row of block_tables as [B, H, length, D], in one index op."""
+    nb, bs, h, d = cache.shape
+    nblk = -(-length // bs)
+    bt = block_tables[:, :nblk].long().clamp(0, nb - 1)  # padding entries may hold anything
+    slots = (bt[:, :, None] * bs + torch.arange(bs, device=cache.device)).flatten(1)[:, :length]
+    rows = slots[:, None, :] * h + torch.arange(h, device=cache.device)[None, :, None]
+    return cache.reshape(-1, d)[rows]
+
+
+def _dense(cache: torch.Tensor, bt: torch.Tensor, length: int, scale: torch.Tensor | None,
+           dtype: torch.dtype) -> torch.Tensor:
+    x = gather_heads(cache, bt, length)
+    if is_fp8(cache):
+        return (x.float() * scale.view(1, -1, 1, 1)).to(dtype)
+    return x.to(dtype)
+
+
+def _attend(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [b, Lq, Hq, D], pos [b, Lq], k/v [b, Hkv, T, D], lens [b] -> [b, Lq, Hq, D]."""
+    j = torch.arange(k.shape[2], device=q.device)
+    mask = (j < lens[:, None, None]) & (j <= pos[:, :, None])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                         scale=scale, enable_gqa=True)
+    # A sequence with no keys has nothing to attend to: its output is zero, not NaN.
+    return out.transpose(1, 2).masked_fill((lens == 0).view(-1, 1, 1, 1), 0.0)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor, scale: float,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
+                         k_scale, v_scale)
+    out = torch.zeros_like(q)
+    if q.shape[0] == 0:
+        return out
+    lens = seq_lens.long()
+    cu = cu_seqlens_q.long()
+    counts = cu[1:] - cu[:-1]
+    bs = k_cache.shape[1]
+    if (counts < 0).any() or cu[0] != 0 or cu[-1] != q.shape[0] or (lens < 0).any():
+        raise ValueError("cu_seqlens_q must rise from 0 to Nq and seq_lens be >= 0")
+    if (q_positions < 0).any():
+        raise ValueError("q_positions must be >= 0")
+    need = (lens + bs - 1) // bs
+    if need.max() > block_tables.shape[1]:
+        raise ValueError("a sequence has more keys than its block table covers")
+    used = torch.arange(block_tables.shape[1], device=q.device) < need[:, None]
+    if used.any() and ((block_tables[used] < 0) | (block_tables[used] >= k_cache.shape[0])).any():
+        raise ValueError("block table entry outside the cache")
+    pos = q_positions.long()
+    dec = torch.nonzero(counts == 1).flatten()
+    if dec.numel():
+        t = int(lens[dec].max())
+        if t > 0:
+            k = _dense(k_cache, block_tables[dec], t, k_scale, q.dtype)
+            v = _dense(v_cache, block_tables[dec], t, v_scale, q.dtype)
+            rows = cu[dec]
+            out[rows] = _attend(q[rows, None], pos[rows, None], k, v, lens[dec], scale)[:, 0]
+    for b in torch.nonzero(counts > 1).flatten().tolist():
+        s, e, t = int(cu[b]), int(cu[b + 1]), int(lens[b])
+        if t == 0:
+            continue
+        k = _dense(k_cache, block_tables[b:b + 1], t, k_scale, q.dtype)
+        v = _dense(v_cache, block_tables[b:b + 1], t, v_scale, q.dtype)
+        out[s:e] = _attend(q[None, s:e], pos[None, s:e], k, v, lens[b:b + 1], scale)[0]
+    return out
