@@ -11,3 +11,13 @@ def redis_proc():
     r = RedisProcess().start()
     yield r
     r.stop(kill=True)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster():
+    """A 3-master Redis Cluster on free ports, shared by the tests of one module."""
+    from tests.services import RedisCluster
+
+    c = RedisCluster(masters=3).start()
+    yield c
+    c.stop()

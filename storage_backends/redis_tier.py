@@ -1,0 +1,246 @@
+"""The shared Redis tier: one value per segment, standalone Redis or Redis Cluster.
+
+A value is the encoded segment (header and payload) under `tierkv:<ns>:<keyhex>`. The
+namespace is not in braces: braces are a Redis Cluster hash tag and would pin a whole
+namespace to one slot. Layers stream by GETRANGE: the prefix, the header, then each
+layer's byte range. Redis down or slow is a miss: after a fault the tier stays off for a
+backoff (doubling up to max_backoff_s) without touching Redis, logs one line per
+interval, and tries again afterwards, so it recovers by itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.asyncio.retry import Retry
+
+from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
+                                   check_namespace)
+from storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, decode_layer
+
+log = logging.getLogger("tierkv.redis")
+_FAULTS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(slots=True)
+class RedisTierConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False        # Redis Cluster client; also chosen by a redis+cluster:// URL
+    ttl_s: int = 0               # expiry of every value (0: none; Redis' own maxmemory policy applies)
+    timeout_s: float = 1.0       # per command; a timeout is a miss
+    backoff_s: float = 0.5       # first pause after a fault
+    max_backoff_s: float = 10.0  # longest pause
+    log_interval_s: float = 10.0  # at most one "redis down" line per interval
+
+
+@dataclass(slots=True)
+class _Health:
+    """When Redis may next be tried, and how long the current pause is."""
+    until: float = 0.0
+    pause: float = 0.0
+    last_log: float = -1e9
+    down: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class RedisTier(Tier):
+    config: RedisTierConfig = field(default_factory=RedisTierConfig)
+    name: str = "redis"
+    client: aioredis.Redis | RedisCluster = field(init=False)
+    health: _Health = field(default_factory=_Health)
+    counters: TierStats = field(init=False)
+    counts: dict[str, int] = field(default_factory=dict)  # ns -> entries, as of the last scan_count
+    get_lat: Latency = field(default_factory=Latency)
+    put_lat: Latency = field(default_factory=Latency)
+    on_evict: None = None  # Redis evicts by itself (TTL, maxmemory); nothing to demote to
+
+    def __post_init__(self) -> None:
+        c = self.config
+        url, cluster = c.url, c.cluster
+        if url.startswith("redis+cluster://"):
+            url, cluster = "redis://" + url[len("redis+cluster://"):], True
+        opts = dict(socket_timeout=c.timeout_s, socket_connect_timeout=c.timeout_s)
+        if cluster:
+            self.client = RedisCluster.from_url(url, **opts)
+        else:
+            # No client-side retries: the tier's own backoff decides when to try again.
+            self.client = aioredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts)
+        self.counters = TierStats(name=self.name, device="redis-cluster" if cluster else "redis")
+
+    def _key(self, key: bytes, ns: str) -> str:
+        return f"tierkv:{check_namespace(ns)}:{check_key(key).hex()}"
+
+    def _up(self) -> bool:
+        return time.monotonic() >= self.health.until
+
+    def _fault(self, op: str, e: BaseException) -> None:
+        h, c, now = self.health, self.config, time.monotonic()
+        self.counters.errors += 1
+        h.pause = min(c.max_backoff_s, max(c.backoff_s, h.pause * 2))
+        h.until, h.down = now + h.pause, True
+        if now - h.last_log >= c.log_interval_s:
+            h.last_log = now
+            log.warning("redis tier unavailable (%s: %s: %s); misses until it answers, next try in %.1fs",
+                        op, type(e).__name__, e, h.pause)
+
+    def _ok(self) -> None:
+        h = self.health
+        if h.down:
+            log.warning("redis tier is back")
+        h.down, h.pause = False, 0.0
+
+    async def _call(self, op: str, coro):
+        """Await one Redis call within the timeout; None (and backoff) on any fault."""
+        try:
+            out = await asyncio.wait_for(coro, self.config.timeout_s)
+        except _FAULTS as e:
+            self._fault(op, e)
+            return None
+        self._ok()
+        return out
+
+    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
+        names = [self._key(k, ns) for k in keys]
+        if not names or not self._up():
+            return [False] * len(names)
+
+        async def run():
+            async with self.client.pipeline(transaction=False) as pipe:
+                for n in names:
+                    pipe.exists(n)
+                return await pipe.execute()
+        found = await self._call("contains", run())
+        return [bool(x) for x in found] if found is not None else [False] * len(names)
+
+    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
+        name = self._key(key, ns)
+        t0 = time.perf_counter()
+        value = await self._call("get", self.client.get(name)) if self._up() else None
+        if value is None:
+            self.counters.misses += 1
+            return None
+        try:
+            seg = KVSegment.decode(value)
+            if seg.key != key:
+                raise SegmentError("stored segment carries another key")
+        except SegmentError as e:
+            await self._corrupt(name, e)
+            return None
+        if out is not None:
+            seg = _into(seg, out)
+        self.counters.hits += 1
+        self.counters.bytes_out += len(value)
+        self.get_lat.add(time.perf_counter() - t0)
+        return seg
+
+    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+        name = self._key(key, ns)
+        if not self._up():
+            self.counters.misses += 1
+            return
+        prefix = await self._call("getrange", self.client.getrange(name, 0, PREFIX_NBYTES - 1))
+        try:
+            if not prefix:
+                self.counters.misses += 1
+                return
+            hn = SegmentHeader.peek_nbytes(prefix)
+            head = await self._call("getrange", self.client.getrange(name, 0, hn - 1))
+            if head is None:
+                return
+            header = SegmentHeader.decode(head)
+            if header.key != key:
+                raise SegmentError("stored segment carries another key")
+        except SegmentError as e:
+            await self._corrupt(name, e)
+            return
+        self.counters.hits += 1
+        for i, (off, n) in enumerate(header.layers):
+            data = await self._call("getrange", self.client.getrange(name, off, off + n - 1))
+            if data is None or len(data) != n:
+                return  # deleted, replaced or Redis gone midway: a short stream is a miss
+            try:
+                decode_layer(header, i, data)
+            except SegmentError as e:
+                await self._corrupt(name, e)
+                return
+            self.counters.bytes_out += n
+            yield LayerChunk(header, i, memoryview(data))
+
+    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
+        name = self._key(key, ns)
+        if segment.key != key:
+            raise ValueError("segment.key does not match key")
+        if not self._up():
+            return False
+        t0 = time.perf_counter()
+        value = segment.encode()
+        ex = self.config.ttl_s or None
+        ok = await self._call("set", self.client.set(name, memoryview(value), ex=ex))
+        if not ok:
+            return False
+        self.counters.puts += 1
+        self.counters.bytes_in += len(value)
+        self.put_lat.add(time.perf_counter() - t0)
+        return True
+
+    async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
+        name = self._key(key, ns)
+        if not self._up():
+            return False
+        return bool(await self._call("delete", self.client.delete(name)))
+
+    async def scan_count(self, ns: str = DEFAULT_NAMESPACE) -> int:
+        """Count ns's values by SCAN (every node of a cluster); the last count on a fault."""
+        pattern = f"tierkv:{check_namespace(ns)}:*"
+
+        async def run() -> int:
+            return sum([1 async for _ in self.client.scan_iter(match=pattern, count=1000)])
+        if self._up():
+            n = await self._call("scan", run())
+            if n is not None:
+                self.counts[ns] = n
+        return self.counts.get(ns, 0)
+
+    def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
+        """Entries of ns as of the last scan_count (Redis is shared: only a scan knows)."""
+        return self.counts.get(check_namespace(ns), 0)
+
+    def stats(self) -> TierStats:
+        s = self.counters
+        s.get_latency, s.put_latency = self.get_lat.summary(), self.put_lat.summary()
+        s.num_segments = sum(self.counts.values())
+        s.notes = "down" if self.health.down else ""
+        return s
+
+    async def _corrupt(self, name: str, e: SegmentError) -> None:
+        log.warning("redis tier: dropping corrupt value %s: %s", name, e)
+        self.counters.errors += 1
+        self.counters.misses += 1
+        await self._call("delete", self.client.delete(name))
+
+    async def close(self) -> None:
+        try:
+            await self.client.aclose()
+        except _FAULTS:
+            pass
+
+
+def _into(seg: KVSegment, out) -> KVSegment:
+    """Copy seg's payload into the caller's buffer or tensor and return a segment viewing it."""
+    import torch
+
+    dst = out if isinstance(out, torch.Tensor) else torch.frombuffer(out, dtype=torch.uint8)
+    flat = dst.reshape(-1).view(torch.uint8)
+    raw = seg.payload.reshape(-1).view(torch.uint8)
+    if flat.numel() < raw.numel():
+        raise ValueError(f"out holds {flat.numel()} bytes, the payload needs {raw.numel()}")
+    flat[:raw.numel()].copy_(raw)
+    seg.payload = flat[:raw.numel()].view(seg.payload.dtype).view(seg.payload.shape)
+    return seg
