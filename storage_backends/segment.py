@@ -319,19 +319,25 @@ class KVSegment:
     @staticmethod
     def from_parts(h: SegmentHeader, mv: memoryview, verify: bool = True) -> "KVSegment":
         """Build from a decoded header and the whole encoded buffer mv (its payload at h.layers)."""
-        dt = DTYPES[h.dtype]
         if h.codec == "none":
-            if verify:
-                for i, (off, n) in enumerate(h.layers):
-                    if _checksum(mv[off:off + n]) != h.checksums[i]:
-                        raise SegmentError(f"layer {i}: checksum mismatch")
-            payload = _frombuffer(mv, dt, h.header_nbytes, h.payload_raw_nbytes // dt.itemsize)
-        else:
-            raw = bytearray(h.payload_raw_nbytes)
-            n = h.layer_raw_nbytes
-            for i, (off, ln) in enumerate(h.layers):
-                raw[i * n:(i + 1) * n] = _decode_layer_bytes(h, i, mv[off:off + ln])
-            payload = torch.frombuffer(raw, dtype=dt)
+            return KVSegment.from_raw(h, mv[h.header_nbytes:h.nbytes], verify)
+        raw = bytearray(h.payload_raw_nbytes)
+        n = h.layer_raw_nbytes
+        for i, (off, ln) in enumerate(h.layers):
+            raw[i * n:(i + 1) * n] = _decode_layer_bytes(h, i, mv[off:off + ln])
+        return KVSegment.from_raw(h, memoryview(raw), verify=False)
+
+    @staticmethod
+    def from_raw(h: SegmentHeader, raw: memoryview, verify: bool = True) -> "KVSegment":
+        """Build over raw, the decoded payload bytes (kept as a view, not copied)."""
+        dt, n = DTYPES[h.dtype], h.layer_raw_nbytes
+        if len(raw) < h.payload_raw_nbytes:
+            raise SegmentError(f"payload is {len(raw)} bytes, the shape needs {h.payload_raw_nbytes}")
+        if verify:
+            for i in range(h.num_layers):
+                if _checksum(raw[i * n:(i + 1) * n]) != h.checksums[i]:
+                    raise SegmentError(f"layer {i}: checksum mismatch")
+        payload = _frombuffer(raw, dt, 0, h.payload_raw_nbytes // dt.itemsize)
         return KVSegment(h.key, h.parent, h.tokens, h.fingerprint, h.num_layers, h.num_tokens, h.num_kv_heads,
                          h.head_dim, h.dtype, h.quant, h.scales, h.base_position, h.codec,
                          payload.view(h.num_layers, *h.layer_shape), list(h.checksums))

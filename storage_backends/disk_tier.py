@@ -1,0 +1,312 @@
+"""The disk tier: one self-describing segment file per entry, under root/<namespace>/<keyhex>.tkv."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Sequence
+
+import aiofiles
+
+from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Lease, Leases, Tier, TierStats,
+                                   check_key, check_namespace, parse_size)
+from storage_backends.buffers import copy_into, out_view
+from storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, decode_layer
+
+_NAME = re.compile(r"[0-9a-f]{32}\.tkv")
+
+
+@dataclass(slots=True)
+class DiskTierConfig:
+    root: str | Path = "tierkv-cache"  # directory of the cache; created if missing; kept across restarts
+    capacity_bytes: int | str = "16GiB"  # total bytes of segment files; never exceeded
+    fsync: bool = True  # fsync each file before its rename, so a crash leaves whole files or none
+    lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.capacity_bytes = parse_size(self.capacity_bytes)
+
+
+@dataclass(slots=True)
+class DiskEntry:
+    path: Path
+    header: SegmentHeader
+
+
+class DiskTier(Tier):
+    """File tier. Writes go to a temp name, are fsynced, then renamed: a reader sees a whole file
+    or none. At start the index is rebuilt from the file headers (LRU order by mtime); temp,
+    partial and corrupt files are removed. A read or write fault is a miss or False, counted."""
+
+    name = "disk"
+
+    def __init__(self, config: DiskTierConfig | None = None) -> None:
+        self.config = config or DiskTierConfig()
+        self.root: Path = self.config.root
+        self.index: OrderedDict[tuple[str, bytes], DiskEntry] = OrderedDict()
+        self.counts: dict[str, int] = {}
+        self.leases = Leases()
+        self.used_bytes = 0
+        self._pending: dict[tuple[str, bytes], asyncio.Future] = {}
+        self._stats = TierStats(name=self.name, capacity_bytes=self.config.capacity_bytes,
+                                device=str(self.root))
+        self._get_lat, self._put_lat = Latency(), Latency()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for d in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            try:
+                ns = check_namespace(d.name)
+            except ValueError:
+                continue  # not ours
+            for f in d.iterdir():
+                if f.name.endswith(".tmp"):
+                    f.unlink(missing_ok=True)  # an interrupted write
+                elif _NAME.fullmatch(f.name):
+                    header = _read_header(f)
+                    if header is None or header.key.hex() != f.name[:32]:
+                        self._stats.errors += 1
+                        f.unlink(missing_ok=True)
+                    else:
+                        found.append((f.stat().st_mtime_ns, ns, header, f))
+        for _, ns, header, f in sorted(found, key=lambda x: x[0]):
+            self._add(ns, header.key, DiskEntry(f, header))
+        while self.used_bytes > self.config.capacity_bytes:  # the capacity was lowered
+            ns, key = next(iter(self.index))
+            self._remove(ns, key)
+            self._stats.evictions += 1
+
+    def _path(self, ns: str, key: bytes) -> Path:
+        return self.root / ns / f"{key.hex()}.tkv"
+
+    # -- reading ---------------------------------------------------------------------------
+    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
+        check_namespace(ns)
+        return [(ns, check_key(k)) in self.index for k in keys]
+
+    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
+        check_namespace(ns)
+        t0 = time.perf_counter()
+        entry = self.index.get((ns, check_key(key)))
+        if entry is None:
+            self._stats.misses += 1
+            return None
+        h = entry.header
+        dst = out_view(out, h.payload_raw_nbytes) if out is not None and h.codec == "none" else None
+        try:
+            with self.lease(key, ns):
+                async with aiofiles.open(entry.path, "rb") as f:
+                    head = bytearray(h.header_nbytes)
+                    if dst is not None:  # read the payload straight into the caller's buffer
+                        ok = await f.readinto(head) == len(head) and await f.readinto(dst) == len(dst)
+                        ok = ok and await f.read(1) == b""
+                        seg = KVSegment.from_raw(_same(h, head), dst) if ok else None
+                    else:
+                        buf = bytearray(h.nbytes)
+                        ok = await f.readinto(buf) == len(buf) and await f.read(1) == b""
+                        seg = KVSegment.decode(buf) if ok else None
+            if seg is None:
+                raise SegmentError("file length does not match its header")
+            if out is not None and dst is None:
+                seg = copy_into(seg, h, out)
+        except (OSError, SegmentError):
+            self._fault(ns, key)
+            return None
+        if (ns, key) in self.index:
+            self.index.move_to_end((ns, key))
+        self._stats.hits += 1
+        self._stats.bytes_out += h.nbytes
+        self._get_lat.add(time.perf_counter() - t0)
+        return seg
+
+    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+        check_namespace(ns)
+        entry = self.index.get((ns, check_key(key)))
+        if entry is None:
+            self._stats.misses += 1
+            return
+        h = entry.header
+        scratch = memoryview(bytearray(max(n for _, n in h.layers)))
+        self._stats.hits += 1
+        with self.lease(key, ns):
+            try:
+                async with aiofiles.open(entry.path, "rb") as f:
+                    head = bytearray(h.header_nbytes)
+                    if await f.readinto(head) != len(head):
+                        raise SegmentError("truncated header")
+                    _same(h, head)
+                    for i, (_, n) in enumerate(h.layers):
+                        data = scratch[:n]
+                        if await f.readinto(data) != n:
+                            raise SegmentError(f"truncated layer {i}")
+                        decode_layer(h, i, data)
+                        self._stats.bytes_out += n
+                        yield LayerChunk(h, i, data)
+            except (OSError, SegmentError):
+                self._fault(ns, key)
+
+    # -- writing ---------------------------------------------------------------------------
+    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
+        check_namespace(ns)
+        if segment.key != check_key(key):
+            raise ValueError("segment.key does not match key")
+        ident = (ns, key)
+        if ident in self.index:  # keys name their content: the same key is the same KV
+            self.index.move_to_end(ident)
+            return True
+        if ident in self._pending:  # the same key being written: share that write's result
+            return await asyncio.shield(self._pending[ident])
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[ident] = fut
+        ok = False
+        try:
+            ok = await self._write(ns, key, segment)
+        finally:
+            del self._pending[ident]
+            fut.set_result(ok)
+        return ok
+
+    async def _write(self, ns: str, key: bytes, segment: KVSegment) -> bool:
+        t0 = time.perf_counter()
+        try:
+            h, head, blobs = segment.encode_parts()
+        except SegmentError:
+            self._stats.errors += 1
+            return False
+        if not self._make_room(h.nbytes):
+            return False
+        self.used_bytes += h.nbytes  # reserved now, so concurrent writes cannot overshoot
+        path = self._path(ns, key)
+        tmp = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            async with aiofiles.open(tmp, "wb") as f:
+                await f.write(head)
+                for blob in blobs:
+                    await f.write(blob)
+                await f.flush()
+                if self.config.fsync:
+                    await asyncio.to_thread(os.fsync, f.fileno())
+            os.replace(tmp, path)
+        except OSError:  # read-only directory, disk full, permissions
+            self.used_bytes -= h.nbytes
+            self._stats.errors += 1
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return False
+        self.used_bytes -= h.nbytes
+        self._add(ns, key, DiskEntry(path, h))
+        self._stats.puts += 1
+        self._stats.bytes_in += h.nbytes
+        self._put_lat.add(time.perf_counter() - t0)
+        return True
+
+    def _make_room(self, n: int) -> bool:
+        free = self.config.capacity_bytes - self.used_bytes
+        if n > self.config.capacity_bytes:
+            return False
+        victims = []
+        for ident, entry in self.index.items():
+            if free >= n:
+                break
+            if not self.leases.held(*ident):
+                victims.append(ident)
+                free += entry.header.nbytes
+        if free < n:
+            return False
+        for ns, key in victims:
+            if self.on_evict is not None:
+                seg = _load(self.index[(ns, key)])
+                if seg is not None:
+                    self.on_evict(ns, key, seg)
+            self._remove(ns, key)
+            self._stats.evictions += 1
+        return True
+
+    def _add(self, ns: str, key: bytes, entry: DiskEntry) -> None:
+        self.index[(ns, key)] = entry
+        self.counts[ns] = self.counts.get(ns, 0) + 1
+        self.used_bytes += entry.header.nbytes
+
+    async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
+        check_namespace(ns)
+        return self._remove(ns, check_key(key))
+
+    def _remove(self, ns: str, key: bytes) -> bool:
+        entry = self.index.pop((ns, key), None)
+        if entry is None:
+            return False
+        self.used_bytes -= entry.header.nbytes
+        self.counts[ns] -= 1
+        if not self.counts[ns]:
+            del self.counts[ns]
+        try:
+            entry.path.unlink(missing_ok=True)
+        except OSError:
+            self._stats.errors += 1
+        return True
+
+    def _fault(self, ns: str, key: bytes) -> None:
+        self._stats.errors += 1
+        self._stats.misses += 1
+        self._remove(ns, key)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
+        return self.leases.take(check_namespace(ns), check_key(key), ttl or self.config.lease_ttl_s)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.used_bytes, s.num_segments = self.used_bytes, len(self.index)
+        s.get_latency, s.put_latency = self._get_lat.summary(), self._put_lat.summary()
+        return dataclasses.replace(s)
+
+    def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
+        return self.counts.get(ns, 0)
+
+    def check_integrity(self) -> None:
+        assert self.used_bytes == sum(e.header.nbytes for e in self.index.values()), "used bytes drifted"
+        assert self.used_bytes <= self.config.capacity_bytes, "above capacity"
+        assert sum(self.counts.values()) == len(self.index), "namespace counts drifted"
+
+    async def close(self) -> None:
+        for fut in list(self._pending.values()):
+            await asyncio.shield(fut)
+
+
+def _read_header(path: Path) -> SegmentHeader | None:
+    """The header of a segment file whose length matches it, else None (partial or garbage)."""
+    try:
+        with open(path, "rb") as f:
+            hn = SegmentHeader.peek_nbytes(f.read(PREFIX_NBYTES))
+            f.seek(0)
+            h = SegmentHeader.decode(f.read(hn))
+            return h if os.fstat(f.fileno()).st_size == h.nbytes else None
+    except (OSError, SegmentError):
+        return None
+
+
+def _same(h: SegmentHeader, head: bytearray) -> SegmentHeader:
+    """The header now on disk must still be the one indexed (the file may have been replaced)."""
+    now = SegmentHeader.decode(head)
+    if now.checksums != h.checksums or now.layers != h.layers or now.key != h.key:
+        raise SegmentError("file header changed since it was indexed")
+    return now
+
+
+def _load(entry: DiskEntry) -> KVSegment | None:
+    try:
+        return KVSegment.decode(entry.path.read_bytes())
+    except (OSError, SegmentError):
+        return None

@@ -1,0 +1,225 @@
+"""The tiered store: ordered tiers (fastest first) behind the one Tier interface."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Tier, TierStats, check_key,
+                                   check_namespace)
+from storage_backends.buffers import with_payload
+from storage_backends.segment import KVSegment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StoreConfig:
+    queue_size: int = 64  # background writes waiting for the slower tiers; beyond it they are dropped
+    workers: int = 1  # tasks draining that queue
+    promote: bool = True  # a hit in a slower tier is copied into every faster tier
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1 or self.workers < 1:
+            raise ValueError(f"queue_size and workers must be >= 1, got {self.queue_size}, {self.workers}")
+
+
+@dataclass(slots=True)
+class StoreStats:
+    queued: int = 0  # background writes accepted
+    dropped: int = 0  # background writes refused because the queue was full
+    written: int = 0  # background puts that stored a segment in a slower tier
+    promoted: int = 0  # puts into faster tiers after a hit further down
+    demoted: int = 0  # evicted segments handed to the next tier
+    lost: int = 0  # background writes whose source was gone (evicted) before they ran
+    tiers: list[TierStats] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Job:
+    ns: str
+    key: bytes
+    segment: KVSegment | None  # None: read it from tiers[source] when the job runs
+    source: int
+    targets: list[int]
+
+
+@dataclass(slots=True)
+class LeaseGroup:
+    """A lease on every tier at once."""
+    parts: list
+
+    def release(self) -> None:
+        for p in self.parts:
+            p.release()
+
+    def __enter__(self) -> "LeaseGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    async def __aenter__(self) -> "LeaseGroup":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
+class TieredStore(Tier):
+    """put lands in tiers[0] at once and reaches the others through a bounded queue (a full
+    queue drops and counts; put never waits for it); get reads the fastest tier holding the
+    key and promotes it; an eviction from tiers[i] is queued for tiers[i + 1] (demotion).
+    Every fault of a tier is that tier's miss, so the store falls through to the next."""
+
+    name = "store"
+
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig | None = None) -> None:
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        self.tiers = list(tiers)
+        self.config = config or StoreConfig()
+        self._stats = StoreStats()
+        self._queue: asyncio.Queue[Job] | None = None
+        self._workers: list[asyncio.Task] = []
+        for i, t in enumerate(self.tiers[:-1]):
+            t.on_evict = self._demoter(i)
+
+    def _demoter(self, i: int):
+        def demote(ns: str, key: bytes, segment: KVSegment) -> None:
+            if self._enqueue(Job(ns, key, segment, i, [i + 1])):
+                self._stats.demoted += 1
+        return demote
+
+    def _enqueue(self, job: Job) -> bool:
+        if self._queue is None:
+            self._queue = asyncio.Queue(self.config.queue_size)
+            self._workers = [asyncio.get_running_loop().create_task(self._work())
+                             for _ in range(self.config.workers)]
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            self._stats.dropped += 1
+            return False
+        self._stats.queued += 1
+        return True
+
+    async def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = await self._queue.get()
+            try:
+                await self._run(job)
+            except Exception:  # a tier bug must not kill the worker; the write is just lost
+                log.exception("background write of %s failed", job.key.hex())
+            finally:
+                self._queue.task_done()
+
+    async def _run(self, job: Job) -> None:
+        seg = job.segment
+        if seg is None:
+            seg = await self.tiers[job.source].get(job.key, job.ns)
+            if seg is None:
+                self._stats.lost += 1
+                return
+        for i in job.targets:
+            tier = self.tiers[i]
+            if not (await tier.contains([job.key], job.ns))[0] and await tier.put(job.key, seg, job.ns):
+                self._stats.written += 1
+
+    # -- the Tier interface ----------------------------------------------------------------
+    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
+        check_namespace(ns)
+        if segment.key != check_key(key):
+            raise ValueError("segment.key does not match key")
+        ok = await self.tiers[0].put(key, segment, ns)
+        if len(self.tiers) > 1:
+            # The queued job must not see later writes to the caller's tensor: read it back from
+            # tiers[0], or, when tiers[0] refused it, queue a private copy.
+            src = None if ok else with_payload(segment, segment.payload.clone())
+            ok = self._enqueue(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
+        return ok
+
+    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
+        check_namespace(ns)
+        check_key(key)
+        for i, tier in enumerate(self.tiers):
+            seg = await tier.get(key, ns, out)
+            if seg is not None:
+                if self.config.promote:
+                    for faster in self.tiers[:i]:
+                        if await faster.put(key, seg, ns):
+                            self._stats.promoted += 1
+                return seg
+        return None
+
+    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+        check_namespace(ns)
+        check_key(key)
+        for tier in self.tiers:
+            if not (await tier.contains([key], ns))[0]:
+                continue
+            got = 0
+            async for chunk in tier.get_layers(key, ns):
+                got += 1
+                yield chunk
+            if got:
+                return  # complete, or a fault midway: either way the reader knows by the count
+
+    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
+        return [loc is not None for loc in await self.locate(keys, ns)]
+
+    async def locate(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[int | None]:
+        """Index of the fastest tier holding each key, None where no tier has it."""
+        check_namespace(ns)
+        where: list[int | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for i, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            found = await tier.contains([keys[j] for j in todo], ns)
+            for j, f in zip(todo, found):
+                if f:
+                    where[j] = i
+            todo = [j for j, f in zip(todo, found) if not f]
+        return where
+
+    async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
+        check_namespace(ns)
+        return any([await t.delete(key, ns) for t in self.tiers])
+
+    def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> LeaseGroup:
+        return LeaseGroup([t.lease(key, ns) if ttl is None else t.lease(key, ns, ttl) for t in self.tiers])
+
+    def stats(self) -> TierStats:
+        """The sums over tiers; see store_stats() for each tier and the queue."""
+        per = [t.stats() for t in self.tiers]
+        total = TierStats(name=self.name, device="+".join(s.name for s in per))
+        for f in ("hits", "bytes_in", "bytes_out", "evictions", "errors", "puts", "used_bytes",
+                  "capacity_bytes", "num_segments"):
+            setattr(total, f, sum(getattr(s, f) for s in per))
+        total.misses = per[-1].misses  # a store miss is a miss in the last tier asked
+        return total
+
+    def store_stats(self) -> StoreStats:
+        return dataclasses.replace(self._stats, tiers=[t.stats() for t in self.tiers])
+
+    def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
+        """Entries of ns in the tier that holds most of them (tiers overlap, so no sum)."""
+        return max(t.count(ns) for t in self.tiers)
+
+    async def drain(self) -> None:
+        """Wait until every queued background write has run (tests, orderly shutdown)."""
+        if self._queue is not None:
+            await self._queue.join()
+
+    async def close(self) -> None:
+        await self.drain()
+        for w in self._workers:
+            w.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers, self._queue = [], None
+        for t in self.tiers:
+            await t.close()
