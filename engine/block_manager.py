@@ -1,0 +1,139 @@
+"""BlockManager: owns the KV blocks (free list, reference counts, copy-on-write, prefix cache).
+
+A block's reference count is the number of sequences whose block table holds it, plus one
+when the radix tree indexes it. A block with count 0 is on the free list, and only then.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.radix import RadixTree
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"need at least one KV block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.tree = RadixTree(block_size) if enable_prefix_caching else None
+
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus those only the prefix cache holds."""
+        return len(self.free) + (self.tree.evictable_blocks() if self.tree else 0)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks for seq to hold KV of num_tokens tokens in all (copy-on-write included)."""
+        bs = self.block_size
+        need = max(0, -(-num_tokens // bs) - len(seq.block_table))
+        return need + int(self._cow_index(seq, num_tokens) is not None)
+
+    def _cow_index(self, seq: Sequence, num_tokens: int) -> int | None:
+        """Index of the partly filled block that the next write would modify while it is shared."""
+        i = seq.num_computed_tokens // self.block_size
+        if num_tokens > seq.num_computed_tokens and i < len(seq.block_table) and self.ref[seq.block_table[i]] > 1:
+            return i
+        return None
+
+    def _take(self, n: int) -> list[int]:
+        if len(self.free) < n and self.tree is not None:
+            for b in self.tree.evict(n - len(self.free)):
+                self._release(b)
+        if len(self.free) < n:
+            raise RuntimeError("out of KV blocks (the caller checks num_available first)")
+        out = [self.free.popleft() for _ in range(n)]
+        for b in out:
+            self.ref[b] = 1
+        return out
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free.append(b)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the cached blocks of its longest block-aligned prefix and lock them.
+        The last prompt token is never matched: its logits must be computed. Returns tokens hit."""
+        if self.tree is None or seq.block_table:
+            return 0
+        blocks, node = self.tree.match(seq.token_ids[:len(seq) - 1])
+        self.tree.lock(node)
+        seq.lock = node
+        for b in blocks:
+            self.ref[b] += 1
+        seq.block_table = list(blocks)
+        seq.num_indexed_blocks = len(blocks)
+        return len(blocks) * self.block_size
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Make seq's blocks cover num_tokens tokens. Returns the (src, dst) block copies to run
+        before the forward (copy-on-write), or None, changing nothing, when blocks run out."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > len(self.free) and need > self.num_available():
+            return None
+        copies = []
+        cow = self._cow_index(seq, num_tokens)
+        if cow is not None:
+            src, (dst,) = seq.block_table[cow], self._take(1)
+            seq.block_table[cow] = dst
+            self._release(src)
+            copies.append((src, dst))
+            need -= 1
+        seq.block_table += self._take(need)
+        return copies
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Offer seq's newly completed blocks (KV computed for all their tokens) to the prefix cache."""
+        n = seq.num_computed_tokens // self.block_size
+        if self.tree is None or n <= seq.num_indexed_blocks:
+            return
+        node, adopted = self.tree.insert(seq.token_ids[:n * self.block_size], seq.block_table[:n])
+        for b in adopted:
+            self.ref[b] += 1
+        self.tree.lock(node)
+        if seq.lock is not None:
+            self.tree.unlock(seq.lock)
+        seq.lock, seq.num_indexed_blocks = node, n
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares all of parent's blocks; the first write into a shared partial block copies it."""
+        child.block_table = list(parent.block_table)
+        for b in child.block_table:
+            self.ref[b] += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_indexed_blocks = parent.num_indexed_blocks
+        child.lock = parent.lock
+        if child.lock is not None:
+            self.tree.lock(child.lock)
+
+    def free_seq(self, seq: Sequence) -> None:
+        for b in reversed(seq.block_table):
+            self._release(b)
+        if seq.lock is not None:
+            self.tree.unlock(seq.lock)
+        seq.block_table, seq.lock, seq.num_indexed_blocks = [], None, 0
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Drop refs a connector held past request_finished (see KVConnector.request_finished)."""
+        for b in blocks:
+            self._release(b)
+
+    def check_integrity(self, seqs: list[Sequence], held: list[list[int]] = ()) -> None:
+        """held: block lists a connector still holds for finished requests."""
+        count = [0] * self.num_blocks
+        for s in seqs:
+            assert len(s.block_table) * self.block_size >= s.num_computed_tokens, "KV beyond blocks"
+            for b in s.block_table:
+                count[b] += 1
+        for blocks in held:
+            for b in blocks:
+                count[b] += 1
+        if self.tree is not None:
+            self.tree.check_integrity()
+            for b in self.tree.all_blocks():
+                count[b] += 1
+        assert count == self.ref, "reference counts drifted"
+        assert sorted(self.free) == [b for b in range(self.num_blocks) if count[b] == 0], "free list wrong"

@@ -1,0 +1,101 @@
+"""Configuration: the model's shape (from an HF config.json) and the engine's knobs."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+# Named random-weight models for the CLI and benchmarks; "bench" is the bench model of DESIGN.md.
+RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=704, vocab_size=8000),
+    "bench": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=1408, vocab_size=32000),
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The Llama-family shape, read from an HF config.json (Llama 2/3, Mistral, Qwen2)."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling / rope_parameters (llama3, linear, ...)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 sets QKV bias
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.head_dim <= 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads {self.num_key_value_heads}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        arch = d.get("model_type", "llama")
+        if arch not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {arch!r} (llama, mistral, qwen2)")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+            head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta, rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", arch == "qwen2"), eos_token_id=eos,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every knob of the engine."""
+    dtype: str = "auto"  # weights/activations: auto (checkpoint's, fp32 for random) | fp32 | bf16 | fp16
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 (e4m3, per-layer per-head scales)
+    kv_cache_bytes: int = 1 << 30  # byte budget for all layers' K and V; sets num_blocks
+    block_size: int = 16  # tokens per KV block
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 256  # most sequences in one step
+    enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    seed: int = 0  # random weights and unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")

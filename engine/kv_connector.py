@@ -1,0 +1,119 @@
+"""The connector hooks (the shape of vLLM's KVConnectorBase_V1) and the default no-op connector.
+
+One connector object serves both sides in this single-process engine.
+
+Scheduler side, per step, in this order:
+  1. get_num_new_matched_tokens(seq, num_computed_tokens) when a sequence is admitted:
+     how many tokens beyond the local prefix-cache hit the connector can load. The engine
+     clamps the answer so the last prompt token is always computed.
+  2. update_state_after_alloc(seq, block_ids, num_external_tokens) once its blocks exist:
+     the connector records where to load (block i holds tokens [i*bs, (i+1)*bs)).
+  3. build_connector_meta(scheduler_output) after every step's schedule: an opaque object
+     handed to start_load_kv for that same step.
+  4. request_finished(seq, block_ids) when a sequence ends: True means the connector keeps
+     the blocks (for an async save) until get_finished() names the request; the engine
+     frees them then. False: the engine frees them at once.
+Worker side, per step: start_load_kv(meta) before the forward; for each layer i,
+wait_for_layer_load(i) before layer i's attention reads the cache, save_kv_layer(i, kv, md)
+after layer i wrote its new KV; wait_for_save() after the forward; then get_finished() and
+get_block_ids_with_load_errors() (those blocks' tokens are recomputed).
+
+Validity: block ids are valid only while the sequence holds them (until request_finished
+returns False, or until get_finished reports it). kv_layer and attn_metadata passed to
+save_kv_layer are valid only during that call. The engine never calls hooks concurrently.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class KVConnector(ABC):
+    # scheduler side
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens of request.token_ids after num_computed_tokens that can be loaded (0 = none)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks now allocated for request; the first num_external_tokens after its local hit are to load."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: Any) -> object:
+        """Per-step metadata for the worker side (what to load and save this step)."""
+
+    @abstractmethod
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        """True: keep block_ids until get_finished() reports request.request_id saved."""
+
+    # worker side
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Once at start: per layer [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    @abstractmethod
+    def start_load_kv(self, meta: object) -> None:
+        """Begin loading this step's external KV into its blocks (may return before done)."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until layer's loads are in the cache."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        """Layer's new KV of this step is written; start saving what should be saved."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until this step's saves no longer read the cache (the blocks may be reused)."""
+
+    @abstractmethod
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(request ids whose async save is done, request ids whose async load is done)."""
+
+    @abstractmethod
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed this step; the engine recomputes from the first of them."""
+
+    def request_metrics(self, request_id: str) -> dict[str, Any]:
+        """Per-request numbers copied into the output metrics, e.g. {"loaded_tokens": {"cpu": 256}}."""
+        return {}
+
+
+class NoOpConnector(KVConnector):
+    """The default: loads nothing, saves nothing."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        return 0
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: Any) -> object:
+        return None
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        return False
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        pass
+
+    def start_load_kv(self, meta: object) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        pass
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()

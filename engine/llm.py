@@ -1,0 +1,188 @@
+"""LLM: the offline API. generate() runs schedule -> forward -> sample -> postprocess steps."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_connector import KVConnector, NoOpConnector
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    ttft: float  # seconds from arrival to the first token
+    decode_time: float  # seconds from the first token to the last
+    prompt_tokens: int
+    cached_tokens: int  # hit in the local prefix cache
+    external_tokens: int  # loaded through the connector
+    computed_tokens: int  # run through the model (prefill, decode and any recompute)
+    preemptions: int
+    connector: dict[str, Any] = field(default_factory=dict)  # the connector's own report (per tier, ...)
+
+
+@dataclass(slots=True)
+class Completion:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]  # one per sample (SamplingParams.n)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.outputs[0].metrics
+
+
+class LLM:
+    def __init__(self, model: str | Path | dict[str, Any] | ModelConfig, dtype: str = "auto",
+                 kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, kv_connector: KVConnector | None = None,
+                 kv_cache_dtype: str = "auto", max_num_seqs: int = 256, max_model_len: int = 0,
+                 seed: int = 0, device: str = "cpu") -> None:
+        self.config = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=kv_cache_bytes,
+                                   block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+                                   max_model_len=max_model_len, seed=seed)
+        net, self.model_config, self.dtype, self.tokenizer = load_model(model, self.config.dtype, seed)
+        self.device = torch.device(device)
+        self.connector = kv_connector or NoOpConnector()
+        self.runner = ModelRunner(net.to(self.device), self.model_config, self.config, self.dtype,
+                                  self.connector, self.device)
+        self.blocks = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        max_len = max_model_len or self.model_config.max_position_embeddings
+        self.scheduler = Scheduler(self.config, self.blocks, self.connector, self.model_config.eos_token_id, max_len)
+        self._rng = torch.Generator().manual_seed(seed)
+        self._next_id = 0
+        self._groups: dict[int, list[Sequence]] = {}
+
+    def _new_seq(self, group: int, rid: str, tokens: list[int], prompt_len: int, params: SamplingParams,
+                 index: int) -> Sequence:
+        seed = params.seed + index if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._rng))
+        seq = Sequence(self._next_id, rid if index == 0 else f"{rid}/{index}", group, list(tokens), prompt_len,
+                       params, torch.Generator().manual_seed(seed), sample_index=index)
+        self._next_id += 1
+        self._groups.setdefault(group, []).append(seq)
+        return seq
+
+    def add_request(self, group: int, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompt given but the model has no tokenizer.json; pass token ids")
+            prompt = self.tokenizer.encode(prompt).ids
+        vocab = self.model_config.vocab_size
+        if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
+        seq = self._new_seq(group, str(group), prompt, len(prompt), params, 0)
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            del self._groups[group]
+            raise
+        seq.metrics.arrival_time = time.perf_counter()
+        return seq
+
+    def step(self) -> int:
+        """One engine step; returns the number of tokens it computed."""
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            raise RuntimeError("nothing fits: a single sequence needs more KV blocks than the cache holds")
+        logits = self.runner.run(out)
+        samplers = [s for s, smp in zip(out.seqs, out.samples()) if smp]
+        rows, seqs, children = [], [], []
+        for i, seq in enumerate(samplers):
+            rows.append(i)
+            seqs.append(seq)
+            if seq.params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0:
+                for k in range(1, seq.params.n):  # the other samples share this prompt's KV
+                    child = self._new_seq(seq.group_id, seq.request_id, seq.token_ids, seq.num_prompt_tokens,
+                                          seq.params, k)
+                    children.append((seq, child))
+                    rows.append(i)
+                    seqs.append(child)
+        tokens = dict(zip((s.seq_id for s in seqs), sample(logits[rows], seqs))) if seqs else {}
+        saved, _loaded = self.connector.get_finished()
+        failed = self.connector.get_block_ids_with_load_errors()
+        now = time.perf_counter()
+        done = self.scheduler.postprocess(out, tokens, failed, children)
+        for s in seqs:
+            if s.num_output_tokens == 1 and not s.metrics.first_token_time:
+                s.metrics.first_token_time = now
+        for s in done:
+            s.metrics.finish_time = now
+            s.metrics.connector = self.connector.request_metrics(s.request_id)
+        self.scheduler.release_saved(saved)
+        return out.num_tokens
+
+    def _drain_saves(self, timeout: float = 60.0) -> None:
+        """Wait for the connector to finish saves it holds blocks for, then free them."""
+        deadline = time.monotonic() + timeout
+        while self.scheduler.held:
+            self.scheduler.release_saved(self.connector.get_finished()[0])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"connector still holds {len(self.scheduler.held)} finished requests")
+            time.sleep(0.001)
+
+    def generate(self, prompts: list[str] | list[list[int]] | str | list[int],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        base = self._next_id
+        groups = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            groups.append(base + i)
+            self.add_request(base + i, p, sp)
+        total = sum(sp.n for sp in plist)
+        bar = tqdm(total=total, desc="generate", disable=not use_tqdm)
+        finished = 0
+        while self.scheduler.has_work():
+            self.step()
+            now_done = sum(s.is_finished for g in groups for s in self._groups[g])
+            bar.update(now_done - finished)
+            finished = now_done
+        bar.close()
+        self._drain_saves()
+        return [self._output(g) for g in groups]
+
+    def _output(self, group: int) -> RequestOutput:
+        seqs = sorted(self._groups.pop(group), key=lambda s: s.sample_index)
+        outs = []
+        for s in seqs:
+            m = s.metrics
+            text = self.tokenizer.decode(s.output_ids) if self.tokenizer is not None else None
+            outs.append(Completion(s.output_ids, text, s.finish_reason or "length", RequestMetrics(
+                m.first_token_time - m.arrival_time, m.finish_time - m.first_token_time, s.num_prompt_tokens,
+                m.num_cached_tokens, m.num_external_tokens, m.num_computed_tokens, m.num_preemptions, m.connector)))
+        return RequestOutput(seqs[0].request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens], outs)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

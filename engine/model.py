@@ -1,0 +1,135 @@
+"""Llama-architecture model (Llama 2/3, Mistral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+
+The model is pure compute over flattened tokens [N, hidden]. Attention over the paged cache
+is a callback, `attend(layer, q, k, v) -> out`, supplied by the ModelRunner for each step, so
+the runner owns every cache write, connector hook and per-layer schedule (CacheBlend can run
+the later layers on a subset of rows by calling `layer()` itself).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from kernels import RotaryEmbedding
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # HF order: normalize in fp32, cast back, then scale (bit-identical in fp32).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
+        # q, k and v in one matmul (the loader packs HF's q_proj/k_proj/v_proj into it).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rope = rope
+
+    def forward(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = h.shape[0]
+        q, k = self.rope.apply(q.view(n, self.hq, self.d), k.view(n, self.hkv, self.d), positions)
+        out = attend(layer, q, k, v.reshape(n, self.hkv, self.d))
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        h = h + self.self_attn(layer, self.input_layernorm(h), positions, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our module fragment, shard index in the packed weight)
+    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Final hidden states [N, hidden] (before the norm) of flattened tokens."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(i, h, positions, attend)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    def _shard(self, cfg: ModelConfig, target: str, idx: int) -> tuple[int, int]:
+        if target == "qkv_proj":
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            return [(0, q), (q, kv), (q + kv, kv)][idx]
+        return (idx * cfg.intermediate_size, cfg.intermediate_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; every parameter must be covered exactly once."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, w in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for src, (dst, idx) in self.packed.items():
+                if f".{src}." in name:
+                    target, shard = name.replace(src, dst), idx
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            p = params[target]
+            dst = p.data if shard is None else p.data.narrow(0, *self._shard(self.cfg, target.split(".")[-2], shard))
+            if dst.shape != w.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
+            dst.copy_(w)
+            filled[target] = filled.get(target, 0) + dst.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -1,0 +1,179 @@
+"""Radix tree over block-aligned token runs: the prefix cache's index.
+
+Each edge holds a run of whole blocks (its key is len(blocks) * block_size tokens). The tree
+knows block ids only; the BlockManager owns their reference counts (the tree holds one ref on
+each block it indexes). A node is locked while a running sequence uses it; locks count up to
+the root, so an unlocked node has no locked descendant and only unlocked leaves are evicted.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    key: tuple[int, ...] = ()
+    blocks: list[int] = field(default_factory=list)
+    parent: "Node | None" = None
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+
+@dataclass(slots=True)
+class RadixStats:
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class RadixTree:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.root = Node()
+        self.num_blocks = 0
+        self.stats = RadixStats()
+        self._clock = 0
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _split(self, node: Node, nblocks: int) -> Node:
+        """Cut node after nblocks blocks; returns the new upper part (node becomes its child)."""
+        cut = nblocks * self.block_size
+        upper = Node(node.key[:cut], node.blocks[:nblocks], node.parent, {}, node.lock_ref, node.last_access)
+        assert node.parent is not None
+        node.parent.children[node.key[:self.block_size]] = upper
+        node.key, node.blocks, node.parent = node.key[cut:], node.blocks[nblocks:], upper
+        upper.children[node.key[:self.block_size]] = node
+        return upper
+
+    def _walk(self, tokens: list[int] | tuple[int, ...], split: bool) -> tuple[list[int], Node]:
+        bs, n = self.block_size, len(tokens) // self.block_size
+        node, blocks, i, now = self.root, [], 0, self._tick()
+        node.last_access = now
+        while i < n:
+            child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
+            if child is None:
+                break
+            k = 1  # the first block matched by the dict key
+            while k < len(child.blocks) and i + k < n and \
+                    child.key[k * bs:(k + 1) * bs] == tuple(tokens[(i + k) * bs:(i + k + 1) * bs]):
+                k += 1
+            if k < len(child.blocks):
+                if not split:
+                    blocks += child.blocks[:k]
+                    break
+                child = self._split(child, k)
+            child.last_access = now
+            blocks += child.blocks
+            node, i = child, i + k
+        return blocks, node
+
+    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """Blocks holding the longest cached block-aligned prefix of tokens, and its deepest node
+        (split so that the node ends exactly at the match). The caller locks the node."""
+        blocks, node = self._walk(tokens, split=True)
+        self.stats.queries += 1
+        self.stats.query_tokens += len(tokens) // self.block_size * self.block_size
+        self.stats.hit_tokens += len(blocks) * self.block_size
+        return blocks, node
+
+    def insert(self, tokens: list[int], blocks: list[int]) -> tuple[Node, list[int]]:
+        """Index blocks as the KV of tokens (len(tokens) == len(blocks) * block_size). Returns the
+        deepest node and the blocks newly adopted (the caller adds the tree's ref on those);
+        where the tree already holds a prefix it keeps its own blocks."""
+        bs = self.block_size
+        if len(tokens) != len(blocks) * bs:
+            raise ValueError(f"{len(tokens)} tokens for {len(blocks)} blocks of {bs}")
+        have, node = self._walk(tokens, split=True)
+        rest = blocks[len(have):]
+        if not rest:
+            return node, []
+        child = Node(tuple(tokens[len(have) * bs:]), list(rest), node, {}, 0, self._tick())
+        node.children[child.key[:bs]] = child
+        self.num_blocks += len(rest)
+        return child, list(rest)
+
+    def lock(self, node: Node) -> None:
+        n: Node | None = node
+        while n is not None:
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock(self, node: Node) -> None:
+        n: Node | None = node
+        while n is not None:
+            if n.lock_ref <= 0:
+                raise RuntimeError("radix unlock without a matching lock")
+            n.lock_ref -= 1
+            n = n.parent
+
+    def evictable_blocks(self) -> int:
+        """Blocks in unlocked nodes (all of them can be evicted, leaves first)."""
+        total, stack = 0, [self.root]
+        while stack:
+            n = stack.pop()
+            if n.lock_ref == 0:
+                total += len(n.blocks)
+            stack.extend(n.children.values())
+        return total
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Drop up to num_blocks blocks from unlocked leaves, least recently used first, tail
+        blocks first. Returns the dropped block ids (the caller releases the tree's refs)."""
+        heap, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n is not self.root and n.lock_ref == 0:
+                heap.append((n.last_access, id(n), n))
+        heapq.heapify(heap)
+        out: list[int] = []
+        while heap and len(out) < num_blocks:
+            _, _, n = heapq.heappop(heap)
+            take = min(num_blocks - len(out), len(n.blocks))
+            out += n.blocks[len(n.blocks) - take:][::-1]
+            del n.blocks[len(n.blocks) - take:]
+            n.key = n.key[:len(n.blocks) * self.block_size]
+            if not n.blocks:
+                parent = n.parent
+                assert parent is not None
+                del parent.children[next(k for k, c in parent.children.items() if c is n)]
+                if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.num_blocks -= len(out)
+        self.stats.evicted_blocks += len(out)
+        return out
+
+    def all_blocks(self) -> list[int]:
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            out += n.blocks
+            stack.extend(n.children.values())
+        return out
+
+    def check_integrity(self) -> None:
+        bs, seen, stack = self.block_size, set(), [self.root]
+        assert not self.root.blocks and not self.root.key, "root holds no tokens"
+        while stack:
+            n = stack.pop()
+            assert len(n.key) == len(n.blocks) * bs, "key length != blocks * block_size"
+            assert n is self.root or n.blocks, "empty non-root node"
+            assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), "lock below parent's"
+            for b in n.blocks:
+                assert b not in seen, f"block {b} indexed twice"
+                seen.add(b)
+            for k, c in n.children.items():
+                assert c.parent is n and c.key[:bs] == k, "child key or parent link broken"
+                stack.append(c)
+        assert len(seen) == self.num_blocks, "block count drifted"

@@ -1,0 +1,172 @@
+"""Scheduler: owns the waiting and running queues and decides each step's tokens.
+
+Continuous batching under a per-step token budget: running sequences first (decodes and
+prefill chunks, oldest first), then waiting ones FCFS while budget and blocks last. When
+blocks run out the newest running sequence is preempted (its KV freed, recomputed later).
+Nothing depends on time or hashing, so a workload always schedules the same way.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnector
+from engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # query tokens per sequence this step
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    preempted: list[Sequence] = field(default_factory=list)
+    connector_meta: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self) -> list[bool]:
+        """Whether each sequence reaches its last token this step (and so samples one)."""
+        return [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_new_tokens)]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, connector: KVConnector,
+                 eos_token_ids: list[int], max_model_len: int) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.connector = connector
+        self.eos = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by seq_id (arrival)
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept by the connector
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq) < 1:
+            raise ValueError("empty prompt")
+        if len(seq) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(seq)} tokens does not fit max_model_len {self.max_model_len}")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.blocks.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out, budget, i = SchedulerOutput(), self.config.max_num_batched_tokens, 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            while copies is None:
+                victim = self.running.pop()  # the newest; never one already scheduled this step
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            if copies is None:
+                break
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            out.copies += copies
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.blocks.match_prefix(seq)
+            seq.num_computed_tokens = hit
+            ext = self.connector.get_num_new_matched_tokens(seq, hit)
+            ext = max(0, min(int(ext), len(seq) - 1 - hit))  # the last prompt token is always computed
+            n = min(len(seq) - hit - ext, budget)
+            copies = self.blocks.allocate(seq, hit + ext + n)
+            if copies is None:
+                self.blocks.free_seq(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
+            seq.num_computed_tokens += ext
+            if not seq.admitted:
+                seq.admitted = True
+                seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = hit, ext
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            out.copies += copies
+            budget -= n
+        out.connector_meta = self.connector.build_connector_meta(out)
+        return out
+
+    def postprocess(self, out: SchedulerOutput, tokens: dict[int, int], failed_blocks: set[int],
+                    children: list[tuple[Sequence, Sequence]] = ()) -> list[Sequence]:
+        """Advance each scheduled sequence by its step and append its sampled token (tokens is by
+        seq_id); roll back sequences whose loaded blocks failed (from the first failed block, the
+        sample dropped); add the n > 1 children of parents that sampled their first token.
+        Returns the sequences that finished."""
+        bs, finished = self.blocks.block_size, []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            seq.metrics.num_computed_tokens += n
+            bad = next((j for j, b in enumerate(seq.block_table) if b in failed_blocks), None)
+            if bad is not None and bad * bs < seq.num_computed_tokens:
+                m = seq.metrics
+                m.num_external_tokens -= min(m.num_external_tokens,
+                                             max(0, m.num_cached_tokens + m.num_external_tokens - bad * bs))
+                seq.num_computed_tokens = bad * bs
+                continue
+            token = tokens.get(seq.seq_id)
+            if token is not None:
+                self._append(seq, token, finished)
+            self.blocks.cache_blocks(seq)
+        for parent, child in children:
+            if parent.num_output_tokens != 1 or parent.num_computed_tokens != parent.num_prompt_tokens:
+                continue  # the parent was rolled back; it forks when it samples again
+            self.blocks.fork(parent, child)
+            child.status, child.admitted = Status.RUNNING, True
+            m, pm = child.metrics, parent.metrics
+            m.arrival_time, m.num_cached_tokens, m.num_external_tokens = pm.arrival_time, pm.num_cached_tokens, pm.num_external_tokens
+            bisect.insort(self.running, child, key=lambda s: s.seq_id)
+            self._append(child, tokens[child.seq_id], finished)
+        for seq in finished:
+            self.running.remove(seq)
+            if self.connector.request_finished(seq, list(seq.block_table)):
+                self.held[seq.request_id] = seq
+            else:
+                self.blocks.free_seq(seq)
+        return finished
+
+    def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
+        seq.token_ids.append(token)
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.status = Status.FINISHED
+            finished.append(seq)
+
+    def release_saved(self, request_ids: set[str]) -> None:
+        """Free the blocks of finished requests whose save the connector reports done."""
+        for rid in request_ids:
+            seq = self.held.pop(rid, None)
+            if seq is not None:
+                self.blocks.free_seq(seq)
+
+    def check_integrity(self) -> None:
+        live = self.running + list(self.held.values()) + [s for s in self.waiting if s.block_table]
+        self.blocks.check_integrity(live)
+        assert all(a.seq_id < b.seq_id for a, b in zip(self.running, self.running[1:])), "running unsorted"

@@ -1,0 +1,64 @@
+"""Sequence: the token state of one generation (one of a request's n samples)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True)
+class SeqMetrics:
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+    num_cached_tokens: int = 0  # hit in the local prefix cache (at first admission)
+    num_external_tokens: int = 0  # loaded through the connector
+    num_computed_tokens: int = 0  # run through the model, recomputation included
+    num_preemptions: int = 0
+    connector: dict = field(default_factory=dict)  # what the connector reports (tokens per tier, ...)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Invariants: prompt = token_ids[:num_prompt_tokens]; the KV of token_ids[:num_computed_tokens]
+    is in the blocks of block_table (block i holds tokens [i*bs, (i+1)*bs))."""
+    seq_id: int  # arrival order; newer sequences have larger ids
+    request_id: str  # unique per sequence ("7", or "7/1" for the second of n samples)
+    group_id: int  # index of the prompt in the generate() call
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    lock: object = None  # the radix node this sequence holds locked (prefix cache)
+    num_indexed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    finish_reason: str | None = None
+    sample_index: int = 0  # which of the request's n samples
+    admitted: bool = False
+    metrics: SeqMetrics = field(default_factory=SeqMetrics)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
