@@ -1,0 +1,5 @@
+import sys
+
+from cacheserver.cli import main
+
+sys.exit(main())

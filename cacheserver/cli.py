@@ -1,0 +1,99 @@
+"""`tierkv-server` (also `python -m cacheserver`): serve, or print a running server's stats.
+
+    tierkv-server --port 50051 --cache-dir /var/cache/tierkv --cpu-bytes 8GiB
+    tierkv-server --redis-url redis://10.0.0.7:6379/0 --tokens "$TOKEN=team-a"
+    tierkv-server stats --target 127.0.0.1:50051 [--token T] [--tls-ca ca.pem]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from cacheserver import config as cfg
+from cacheserver.server import Server
+from storage_backends.base import format_size
+from storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from storage_backends.disk_tier import DiskTier, DiskTierConfig
+from storage_backends.redis_tier import RedisTier, RedisTierConfig
+from storage_backends.store import TieredStore
+
+log = logging.getLogger("tierkv.server")
+
+
+def build_store(c: cfg.ServerConfig) -> TieredStore:
+    """cpu, then disk under cache_dir (unless disk_bytes is 0), then Redis when a URL is set."""
+    tiers = [CpuTier(CpuTierConfig(capacity_bytes=c.cpu_bytes))]
+    if c.disk_bytes:
+        tiers.append(DiskTier(DiskTierConfig(root=c.cache_path / "disk", capacity_bytes=c.disk_bytes)))
+    if c.redis_url:
+        tiers.append(RedisTier(RedisTierConfig(url=c.redis_url, cluster=c.redis_cluster, ttl_s=c.redis_ttl_s,
+                                               timeout_s=c.redis_timeout_s)))
+    return TieredStore(tiers)
+
+
+async def serve(c: cfg.ServerConfig) -> None:
+    server = await Server.start(c, build_store(c))
+    tiers = ", ".join(t.name for t in server.store.tiers)
+    print(f"tierkv-server listening on {c.host}:{server.port} (tiers: {tiers}; "
+          f"auth {'on' if c.auth else 'off'}; tls {'on' if c.tls_cert else 'off'})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        server.refresh_metrics()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+    log.info("shutting down: draining in-flight calls for up to %.0fs", c.grace_s)
+    await server.stop()
+    print("tierkv-server stopped", flush=True)
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    from cacheserver.client import RemoteTier
+
+    tier = RemoteTier(target=args.target, token=args.token, tls_ca=args.tls_ca, retries=0,
+                      timeout_s=args.timeout)
+    r = await tier.server_stats()
+    await tier.close()
+    if r is None:
+        print(f"no answer from {args.target}", file=sys.stderr)
+        return 1
+    rows = [["tier", "segments", "used", "capacity", "hits", "hit rate", "evictions", "errors"]]
+    gets = max(r.gets, 1)
+    for t in r.tiers:
+        rows.append([t.name, str(t.count), format_size(t.used_bytes),
+                     format_size(t.capacity_bytes) if t.capacity_bytes else "-", str(t.hits),
+                     f"{t.hits / gets:.1%}", str(t.evictions), str(t.errors)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print(f"namespace {r.namespace}: {r.lookups} lookups, {r.puts} puts, {r.gets} gets "
+          f"({r.gets - sum(t.hits for t in r.tiers)} misses), in {format_size(r.bytes_in)}, "
+          f"out {format_size(r.bytes_out)}")
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stats"]:
+        p = argparse.ArgumentParser(prog="tierkv-server stats", description="print a server's stats")
+        p.add_argument("--target", required=True, help="HOST:PORT")
+        p.add_argument("--token", help="bearer token (default: none)")
+        p.add_argument("--tls-ca", help="CA certificate (PEM) for a TLS server")
+        p.add_argument("--timeout", type=float, default=5.0)
+        return asyncio.run(_stats(p.parse_args(argv[1:])))
+    p = argparse.ArgumentParser(prog="tierkv-server", description="the tierkv gRPC cache server")
+    cfg.add_arguments(p)
+    args = p.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)
+    try:
+        c = cfg.load(args)
+    except (cfg.ConfigError, OSError) as e:
+        p.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(c))
+    return 0

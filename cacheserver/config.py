@@ -1,0 +1,159 @@
+"""Server configuration: flags over TIERKV_* environment variables over a YAML file.
+
+Every knob is a field of ServerConfig with its meaning beside it. Sizes accept human
+units (`512MiB`, `8GiB`, `1.5GB`, plain bytes; storage_backends.parse_size); tokens map bearer tokens to namespaces.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from storage_backends.base import check_namespace, parse_size
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed; the message names the knob."""
+
+
+def _size(value: str | int, knob: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"{knob}: {e}") from None
+
+
+def parse_tokens(value: str | Mapping[str, str]) -> dict[str, str]:
+    """'tok1=ns1,tok2=ns2' or a mapping -> {token: namespace}, each namespace checked."""
+    if isinstance(value, Mapping):
+        pairs = [(str(k), str(v)) for k, v in value.items()]
+    else:
+        pairs = []
+        for item in filter(None, (s.strip() for s in str(value).split(","))):
+            if "=" not in item:
+                raise ConfigError(f"tokens: expected TOKEN=NAMESPACE, got {item!r}")
+            tok, ns = item.split("=", 1)
+            pairs.append((tok.strip(), ns.strip()))
+    for tok, ns in pairs:
+        if len(tok) < 8:
+            raise ConfigError("tokens: a token must have at least 8 characters")
+        try:
+            check_namespace(ns)
+        except ValueError as e:
+            raise ConfigError(f"tokens: {e}") from None
+    return dict(pairs)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"          # bind address; 0.0.0.0 only when asked
+    port: int = 50051                # gRPC port (0: pick a free one, printed at start)
+    cache_dir: str = "~/.cache/tierkv"  # disk tier directory
+    cpu_bytes: int = 1 << 30         # cpu tier capacity
+    disk_bytes: int = 16 << 30       # disk tier capacity (0: no disk tier)
+    redis_url: str = ""              # adds the shared Redis tier when set
+    redis_cluster: bool = False      # use the Redis Cluster client (also when the URL says redis+cluster://)
+    redis_ttl_s: int = 0             # expiry of Redis values (0: none)
+    redis_timeout_s: float = 1.0     # per-command Redis timeout; a timeout is a miss
+    tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> namespace; empty: no auth
+    tls_cert: str = ""               # PEM certificate; with tls_key turns TLS on
+    tls_key: str = ""                # PEM private key
+    metrics_port: int = 0            # Prometheus HTTP port (0: off)
+    max_segment_bytes: int = 256 * MiB  # largest encoded segment a Put may carry
+    max_frame_bytes: int = MiB       # largest payload frame
+    max_frames: int = 4096           # most payload frames in one Put
+    max_streams: int = 64            # concurrent Put/Get/GetMany streams, server-wide
+    max_keys: int = 4096             # most keys in one Lookup/GetMany/Delete
+    grace_s: float = 10.0            # SIGTERM: time in-flight RPCs get to finish
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ConfigError("port and metrics_port must be in 0..65535")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together")
+        if not 0 < self.max_frame_bytes <= 4 * MiB:
+            raise ConfigError("max_frame_bytes must be in 1..4MiB")
+        for name in ("max_frames", "max_streams", "max_keys", "max_segment_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.redis_timeout_s <= 0 or self.grace_s < 0 or self.redis_ttl_s < 0:
+            raise ConfigError("redis_timeout_s must be > 0, grace_s and redis_ttl_s >= 0")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser()
+
+    @property
+    def auth(self) -> bool:
+        return bool(self.tokens)
+
+
+_SIZES = {"cpu_bytes", "disk_bytes", "max_segment_bytes", "max_frame_bytes"}
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    kind = {f.name: f.type for f in fields(ServerConfig)}[name]
+    try:
+        if name in _SIZES:
+            return _size(raw, name)
+        if name == "tokens":
+            return parse_tokens(raw)
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ConfigError(f"{name}: expected true/false, got {raw!r}")
+            return str(raw).lower() in ("1", "true", "yes", "on")
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{name}: bad value {raw!r}") from e
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One --flag per knob (default None, so unset flags fall back to env and YAML)."""
+    p.add_argument("--config", help="YAML file with any of the knobs below")
+    for f in fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action="store_const", const=True, default=None)
+        elif f.name == "tokens":
+            p.add_argument(flag, help="TOKEN=NAMESPACE[,TOKEN=NAMESPACE...]")
+        else:
+            p.add_argument(flag)
+
+
+def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """YAML (--config or TIERKV_CONFIG), then TIERKV_* env, then flags; later wins."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = getattr(args, "config", None) or env.get("TIERKV_CONFIG")
+    if path:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: expected a mapping of knobs")
+        values.update(doc)
+    names = [f.name for f in fields(ServerConfig)]
+    for name in names:
+        if f"TIERKV_{name.upper()}" in env:
+            values[name] = env[f"TIERKV_{name.upper()}"]
+        if args is not None and getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    unknown = set(values) - set(names)
+    if unknown:
+        raise ConfigError(f"unknown config keys: {sorted(unknown)}")
+    return ServerConfig(**{k: _coerce(k, v) for k, v in values.items()})

@@ -1,0 +1,206 @@
+"""The wire framing of segments, shared by server and client.
+
+A segment travels in its one encoding, cut into frames of at most `frame` bytes that
+never cross a piece boundary (the header, then each layer), so a receiver can use a layer
+the moment its last frame lands. Receivers write frames into one preallocated buffer:
+no join of payloads, and nothing is handed on before the whole thing checks out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+import torch
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from proto import tierkv_pb2 as pb
+from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
+
+MiB = 1 << 20
+KEY_NBYTES = 16
+
+
+class BadRequest(Exception):
+    """A request the server refuses; carries the gRPC status and a message for the caller."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.code, self.message, self.reason = code, message, reason
+
+
+def invalid(message: str) -> BadRequest:
+    return BadRequest(grpc.StatusCode.INVALID_ARGUMENT, message, "invalid")
+
+
+def too_big(message: str) -> BadRequest:
+    return BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, message, "limit")
+
+
+def check_known(msg: Message) -> None:
+    """Refuse fields this server does not know (a newer or confused client)."""
+    if len(UnknownFieldSet(msg)):
+        raise invalid(f"{type(msg).__name__} carries unknown fields")
+    if isinstance(msg, pb.PutFrame) and msg.HasField("header") and len(UnknownFieldSet(msg.header)):
+        raise invalid("PutHeader carries unknown fields")
+
+
+def check_keys(keys: Sequence[bytes], max_keys: int) -> list[bytes]:
+    if len(keys) > max_keys:
+        raise too_big(f"{len(keys)} keys in one request; the limit is {max_keys}")
+    for k in keys:
+        if len(k) != KEY_NBYTES:
+            raise invalid(f"a key is {KEY_NBYTES} bytes, got {len(k)}")
+    return list(keys)
+
+
+def pieces(seg: KVSegment) -> tuple[int, list[memoryview]]:
+    """(total length, [header bytes, layer 0, layer 1, ...]) without copying the payload."""
+    h, head, blobs = seg.encode_parts()
+    return h.nbytes, [memoryview(head)] + [memoryview(b).cast("B") for b in blobs]
+
+
+def cut(piece: memoryview, frame: int) -> Iterator[bytes]:
+    for off in range(0, len(piece), frame):
+        yield bytes(piece[off:off + frame])
+
+
+def put_frames(key: bytes, seg: KVSegment, frame: int = MiB) -> Iterator[pb.PutFrame]:
+    """The Put stream of seg: a header frame, then payload frames numbered from 1."""
+    total, parts = pieces(seg)
+    n = sum(-(-len(p) // frame) for p in parts)
+    yield pb.PutFrame(seq=0, header=pb.PutHeader(key=key, total_bytes=total, num_frames=n))
+    seq = 1
+    for p in parts:
+        for data in cut(p, frame):
+            yield pb.PutFrame(seq=seq, data=data)
+            seq += 1
+
+
+@dataclass(slots=True)
+class PutLimits:
+    max_segment_bytes: int
+    max_frame_bytes: int
+    max_frames: int
+
+
+async def receive_put(frames: AsyncIterator[pb.PutFrame], lim: PutLimits) -> tuple[bytes, KVSegment]:
+    """Read a whole Put stream into one buffer and decode it; BadRequest on anything off."""
+    first = await anext(frames, None)
+    if first is None:
+        raise invalid("empty Put stream: expected a header frame")
+    check_known(first)
+    if first.WhichOneof("body") != "header" or first.seq != 0:
+        raise invalid("the first Put frame must be the header, seq 0")
+    h = first.header
+    if len(h.key) != KEY_NBYTES:
+        raise invalid(f"a key is {KEY_NBYTES} bytes, got {len(h.key)}")
+    if h.total_bytes == 0 or h.num_frames == 0:
+        raise invalid("a Put needs total_bytes > 0 and num_frames > 0")
+    if h.total_bytes > lim.max_segment_bytes:
+        raise too_big(f"segment of {h.total_bytes} bytes exceeds max_segment_bytes {lim.max_segment_bytes}")
+    if h.num_frames > lim.max_frames:
+        raise too_big(f"{h.num_frames} frames exceed max_frames {lim.max_frames}")
+    if h.num_frames > h.total_bytes:
+        raise invalid(f"{h.num_frames} frames cannot carry {h.total_bytes} bytes")
+    buf = bytearray(h.total_bytes)
+    mv, pos = memoryview(buf), 0
+    for seq in range(1, h.num_frames + 1):
+        f = await anext(frames, None)
+        if f is None:
+            raise invalid(f"truncated Put: stream ended after {seq - 1} of {h.num_frames} frames")
+        check_known(f)
+        if f.WhichOneof("body") != "data" or f.seq != seq:
+            raise invalid(f"frame out of order: expected data frame {seq}, got "
+                          f"{f.WhichOneof('body')} frame {f.seq}")
+        n = len(f.data)
+        if n > lim.max_frame_bytes:
+            raise too_big(f"frame {seq} has {n} bytes; max_frame_bytes is {lim.max_frame_bytes}")
+        if n == 0 or pos + n > h.total_bytes:
+            raise invalid(f"frame {seq} ({n} bytes) does not fit the header's total_bytes {h.total_bytes}")
+        mv[pos:pos + n] = f.data
+        pos += n
+    if await anext(frames, None) is not None:
+        raise invalid(f"more frames than the header's num_frames {h.num_frames}")
+    if pos != h.total_bytes:
+        raise invalid(f"payload is {pos} bytes, the header says {h.total_bytes}")
+    try:
+        seg = KVSegment.decode(buf, verify=True)
+    except SegmentError as e:
+        raise invalid(f"malformed segment: {e}") from None
+    if seg.key != h.key:
+        raise invalid("the segment's own key differs from the Put header's key")
+    return h.key, seg
+
+
+@dataclass(slots=True)
+class Assembly:
+    """Client side of Get/GetMany: one segment's LAYER frames into a preallocated buffer.
+
+    Whole mode writes every layer at its place in `dst` (the payload as sent); per-layer
+    mode (get_layers) reuses `dst` for each layer in turn, so memory stays one layer.
+    """
+    header: SegmentHeader
+    dst: memoryview
+    per_layer: bool
+    layer: int = 0  # layer being filled
+    filled: int = 0  # bytes of that layer so far
+
+    @staticmethod
+    def start(f: pb.SegmentFrame, max_bytes: int, per_layer: bool = False, dst=None) -> "Assembly":
+        """From a HEADER frame; dst (optional) receives the payload in whole mode."""
+        if f.kind != pb.SegmentFrame.HEADER:
+            raise SegmentError(f"expected a HEADER frame, got kind {f.kind}")
+        h = SegmentHeader.decode(f.data)
+        if h.nbytes > max_bytes or f.total_bytes != h.nbytes or len(f.data) != h.header_nbytes:
+            raise SegmentError(f"segment of {h.nbytes} bytes (frames say {f.total_bytes}) refused")
+        size = max(n for _, n in h.layers) if per_layer else h.nbytes - h.header_nbytes
+        if dst is None:
+            dst = bytearray(size)
+        mv = memoryview(dst).cast("B")
+        if len(mv) < size:
+            raise ValueError(f"destination holds {len(mv)} bytes, the payload needs {size}")
+        return Assembly(h, mv, per_layer)
+
+    def _at(self) -> int:
+        return 0 if self.per_layer else self.header.layers[self.layer][0] - self.header.header_nbytes
+
+    def add(self, f: pb.SegmentFrame) -> int | None:
+        """Append a LAYER frame; the layer's index when that layer is now complete."""
+        if self.done or f.kind != pb.SegmentFrame.LAYER or f.layer != self.layer:
+            raise SegmentError(f"unexpected frame (kind {f.kind}, layer {f.layer}) at layer {self.layer}")
+        n = self.header.layers[self.layer][1]
+        if self.filled + len(f.data) > n:
+            raise SegmentError(f"layer {self.layer}: frames exceed its {n} bytes")
+        at = self._at() + self.filled
+        self.dst[at:at + len(f.data)] = f.data
+        self.filled += len(f.data)
+        if self.filled < n:
+            return None
+        self.layer, self.filled = self.layer + 1, 0
+        return self.layer - 1
+
+    def layer_bytes(self, i: int) -> memoryview:
+        """Encoded bytes of completed layer i (per-layer mode: only the latest)."""
+        at = 0 if self.per_layer else self.header.layers[i][0] - self.header.header_nbytes
+        return self.dst[at:at + self.header.layers[i][1]]
+
+    @property
+    def done(self) -> bool:
+        return self.layer == self.header.num_layers
+
+    def segment(self) -> KVSegment:
+        """The whole segment (whole mode, once done), each layer checked against its checksum."""
+        h = self.header
+        if self.per_layer or not self.done:
+            raise SegmentError("segment() needs a complete whole-mode assembly")
+        layers = [decode_layer(h, i, self.layer_bytes(i)) for i in range(h.num_layers)]
+        if h.codec == "none":  # layers are views of dst, back to back: one view of it all
+            dt = layers[0].dtype
+            payload = torch.frombuffer(self.dst, dtype=dt, count=h.payload_raw_nbytes // dt.itemsize)
+        else:
+            payload = torch.stack(layers)
+        return KVSegment(h.key, h.parent, h.tokens, h.fingerprint, h.num_layers, h.num_tokens, h.num_kv_heads,
+                         h.head_dim, h.dtype, h.quant, h.scales, h.base_position, h.codec,
+                         payload.view(h.num_layers, *h.layer_shape), list(h.checksums))
