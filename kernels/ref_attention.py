@@ -6,6 +6,8 @@ call, so a long prefill never pads the decodes beside it.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -46,33 +48,90 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             raise ValueError(f"{name} must be an int32/int64 tensor on {q.device}")
 
 
-def gather_heads(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Keys [0, length) of each row of block_tables as [B, H, length, D], in one index op."""
+def check_attention_values(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           q_positions: torch.Tensor) -> None:
+    """Range checks (one host sync): a bad block id must be an error, never a wild read."""
+    cu = cu_seqlens_q.long()
+    lens = seq_lens.long()
+    bs = k_cache.shape[1]
+    if cu.numel() and (cu[0] != 0 or cu[-1] != q.shape[0] or (cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens_q must rise from 0 to Nq")
+    if (lens < 0).any() or (q_positions < 0).any():
+        raise ValueError("seq_lens and q_positions must be >= 0")
+    need = (lens + bs - 1) // bs
+    if need.numel() and need.max() > block_tables.shape[1]:
+        raise ValueError("a sequence has more keys than its block table covers")
+    used = torch.arange(block_tables.shape[1], device=q.device) < need[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= k_cache.shape[0]))
+    if bad.any():
+        raise ValueError("block table entry outside the cache")
+
+
+class _Workspace(threading.local):
+    """Per-thread scratch for gathered K/V, reused across calls: a fresh multi-MiB tensor per
+    call costs more in page faults than the gather itself. Grows to the largest batch seen."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self.bufs.get((slot, dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self.bufs[(slot, dtype, device)] = buf
+        return buf[:numel]
+
+
+_WS = _Workspace()
+
+
+def gather_heads(cache: torch.Tensor, block_tables: torch.Tensor, length: int, slot: int = 0) -> torch.Tensor:
+    """Keys [0, length) of each row of block_tables as [B, H, length, D] (SDPA's layout), in
+    one index_select into workspace `slot`. The result is overwritten by the next call."""
     nb, bs, h, d = cache.shape
     nblk = -(-length // bs)
     bt = block_tables[:, :nblk].long().clamp(0, nb - 1)  # padding entries may hold anything
     slots = (bt[:, :, None] * bs + torch.arange(bs, device=cache.device)).flatten(1)[:, :length]
-    rows = slots[:, None, :] * h + torch.arange(h, device=cache.device)[None, :, None]
-    return cache.reshape(-1, d)[rows]
+    rows = (slots[:, None, :] * h + torch.arange(h, device=cache.device)[None, :, None]).flatten()
+    out = _WS.get(slot, rows.numel() * d, cache.dtype, cache.device).view(-1, d)
+    torch.index_select(cache.reshape(-1, d), 0, rows, out=out)
+    return out.view(bt.shape[0], h, length, d)
 
 
 def _dense(cache: torch.Tensor, bt: torch.Tensor, length: int, scale: torch.Tensor | None,
-           dtype: torch.dtype) -> torch.Tensor:
-    x = gather_heads(cache, bt, length)
+           dtype: torch.dtype, slot: int) -> torch.Tensor:
+    x = gather_heads(cache, bt, length, slot)
     if is_fp8(cache):
         return (x.float() * scale.view(1, -1, 1, 1)).to(dtype)
-    return x.to(dtype)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
-def _attend(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _decode(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [b, Lq, Hq, D], pos [b, Lq], k/v [b, Hkv, T, D], lens [b] -> [b, Lq, Hq, D]."""
-    j = torch.arange(k.shape[2], device=q.device)
-    mask = (j < lens[:, None, None]) & (j <= pos[:, :, None])
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
-                                         scale=scale, enable_gqa=True)
-    # A sequence with no keys has nothing to attend to: its output is zero, not NaN.
-    return out.transpose(1, 2).masked_fill((lens == 0).view(-1, 1, 1, 1), 0.0)
+    """One query per sequence: q [b, Hq, D], k/v [b, Hkv, T, D] -> [b, Hq, D]. The GQA group
+    is folded into the query length, which CPU SDPA runs far faster than enable_gqa."""
+    b, hq, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    j = torch.arange(t, device=q.device)
+    mask = ((j < lens[:, None]) & (j <= pos[:, None]))[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, hq, d)
+
+
+def _prefill(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+             scale: float) -> torch.Tensor:
+    """Several queries of one sequence: q [Lq, Hq, D], k/v [1, Hkv, T, D] -> [Lq, Hq, D]."""
+    qt = q.transpose(0, 1)[None]
+    n = q.shape[0]
+    if n == length and torch.equal(pos, torch.arange(n, device=pos.device)):
+        # A whole prompt from position 0: SDPA's own causal mask lets it skip masked tiles.
+        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        j = torch.arange(k.shape[2], device=q.device)
+        mask = (j[None, :] <= pos[:, None]) & (j[None, :] < length)
+        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -82,37 +141,25 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
                          k_scale, v_scale)
+    check_attention_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
     out = torch.zeros_like(q)
     if q.shape[0] == 0:
         return out
     lens = seq_lens.long()
     cu = cu_seqlens_q.long()
     counts = cu[1:] - cu[:-1]
-    bs = k_cache.shape[1]
-    if (counts < 0).any() or cu[0] != 0 or cu[-1] != q.shape[0] or (lens < 0).any():
-        raise ValueError("cu_seqlens_q must rise from 0 to Nq and seq_lens be >= 0")
-    if (q_positions < 0).any():
-        raise ValueError("q_positions must be >= 0")
-    need = (lens + bs - 1) // bs
-    if need.max() > block_tables.shape[1]:
-        raise ValueError("a sequence has more keys than its block table covers")
-    used = torch.arange(block_tables.shape[1], device=q.device) < need[:, None]
-    if used.any() and ((block_tables[used] < 0) | (block_tables[used] >= k_cache.shape[0])).any():
-        raise ValueError("block table entry outside the cache")
     pos = q_positions.long()
-    dec = torch.nonzero(counts == 1).flatten()
+    dec = torch.nonzero((counts == 1) & (lens > 0)).flatten()
     if dec.numel():
         t = int(lens[dec].max())
-        if t > 0:
-            k = _dense(k_cache, block_tables[dec], t, k_scale, q.dtype)
-            v = _dense(v_cache, block_tables[dec], t, v_scale, q.dtype)
-            rows = cu[dec]
-            out[rows] = _attend(q[rows, None], pos[rows, None], k, v, lens[dec], scale)[:, 0]
-    for b in torch.nonzero(counts > 1).flatten().tolist():
+        k = _dense(k_cache, block_tables[dec], t, k_scale, q.dtype, 0)
+        v = _dense(v_cache, block_tables[dec], t, v_scale, q.dtype, 1)
+        rows = cu[dec]
+        out[rows] = _decode(q[rows], pos[rows], k, v, lens[dec], scale)
+    # A sequence with no keys has nothing to attend to: its rows stay zero.
+    for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist():
         s, e, t = int(cu[b]), int(cu[b + 1]), int(lens[b])
-        if t == 0:
-            continue
-        k = _dense(k_cache, block_tables[b:b + 1], t, k_scale, q.dtype)
-        v = _dense(v_cache, block_tables[b:b + 1], t, v_scale, q.dtype)
-        out[s:e] = _attend(q[None, s:e], pos[None, s:e], k, v, lens[b:b + 1], scale)[0]
+        k = _dense(k_cache, block_tables[b:b + 1], t, k_scale, q.dtype, 0)
+        v = _dense(v_cache, block_tables[b:b + 1], t, v_scale, q.dtype, 1)
+        out[s:e] = _prefill(q[s:e], pos[s:e], k, v, t, scale)
     return out

@@ -1,0 +1,212 @@
+"""Triton paged attention: one kernel for prefill, chunked prefill over a cached prefix,
+decode and sparse query subsets (the shape of vLLM's unified Triton attention), plus a
+split-K (flash-decoding) mode for small batches with long contexts.
+
+A program owns BLOCK_Q query tokens x the GQA group of one KV head (BLOCK_M rows), walks
+that sequence's keys tile by tile through the block table, and keeps an fp32 online
+softmax. Query blocks map to sequences by a binary search over cu_seqlens_q, so the grid
+needs no host-side sequence lengths.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import is_fp8
+from kernels.ref_attention import check_attention_args, check_attention_values
+
+
+@triton.jit
+def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    # Sequence b owns query blocks [cu[b] // BLOCK_Q + b, ...): a safe over-count per sequence.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        val = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        if val <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr, ks_ptr, vs_ptr,
+                 part_acc, part_ml, scale, num_seqs, num_heads,
+                 s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
+                 G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
+                 D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 FP8: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    qb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(cu_ptr, qb, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    local = qb - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    qi = local * BLOCK_Q + offs_m // G_PAD
+    g = offs_m % G_PAD
+    row_ok = (qi < q_len) & (g < G)
+    tok = q_start + qi
+    head = kvh * G + g
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_D
+    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees no key
+    kv_end = tl.minimum(tl.load(lens_ptr + seq), tl.max(pos, 0) + 1)
+    tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(tiles, NUM_SPLITS)
+        t_lo = split * per
+        t_hi = tl.minimum(t_lo + per, tiles)
+    else:
+        t_lo = 0
+        t_hi = tiles
+    if FP8:
+        k_sc = tl.load(ks_ptr + kvh)
+        v_sc = tl.load(vs_ptr + kvh)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for t in range(t_lo, t_hi):
+        offs_n = t * TILE_N + tl.arange(0, TILE_N)
+        n_ok = offs_n < kv_end
+        blk = tl.load(bt_ptr + seq * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = offs_n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if FP8:
+            k = (k.to(tl.float32) * k_sc).to(q.dtype)
+            v = (v.to(tl.float32) * v_sc).to(q.dtype)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # Partial results of this split: unnormalized acc, and (m, l) per row.
+        row = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc + row[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(part_acc, part_ml, out_ptr, s_ot, s_oh, num_heads, HEAD_D: tl.constexpr,
+                    D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (tok * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml + row * 2)
+    l = tl.load(part_ml + row * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_safe)  # an empty split has m = -inf: weight 0
+    total = tl.sum(w * l, 0)
+    offs_d = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc + row[:, None] * D_PAD + offs_d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + tok * s_ot + head * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_D)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
+                  sm_count: int, tile_n: int = 64) -> int:
+    """Split-K only pays when the grid cannot fill the device: decode-sized queries, few
+    (sequence, KV head) programs, and enough keys for every split to get several tiles."""
+    programs = num_seqs * num_kv_heads
+    if max_seqlen_q > 1 or programs >= sm_count or max_seqlen_k < 8 * tile_n:
+        return 1
+    splits = 1
+    while splits < 64 and programs * splits < sm_count and max_seqlen_k >= splits * 8 * tile_n:
+        splits *= 2
+    return splits
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           *, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as paged_attention_ref. num_splits forces the split-K mode (a power of 2)."""
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
+                         k_scale, v_scale)
+    check_attention_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
+    nq, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    b = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    if nq == 0 or b == 0:
+        return out
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("q and the caches need a contiguous head dim")
+    g = hq // hkv
+    g_pad = triton.next_power_of_2(g)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if num_splits is None:
+        if max_seqlen_k is None and max_seqlen_q == 1:
+            max_seqlen_k = int(seq_lens.max())
+        num_splits = choose_splits(b, hkv, max_seqlen_q, max_seqlen_k or 0, _sm_count(q.device), 32)
+    if num_splits > 1 and max_seqlen_q != 1:
+        raise ValueError("split-K serves decode batches (one query per sequence) only")
+    block_m = 16 if max_seqlen_q * g_pad <= 16 else 64
+    block_q = max(block_m // g_pad, 1)
+    tile_n = 64 if max_seqlen_q > 1 else 32
+    d_pad = triton.next_power_of_2(d)
+    fp8 = is_fp8(k_cache)
+    if num_splits > 1:
+        part_acc = torch.empty(nq * hq * num_splits, d_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(nq * hq * num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    ks = k_scale if fp8 else out
+    vs = v_scale if fp8 else out
+    grid = (nq // block_q + b, hkv, num_splits)
+    _attn_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_positions,
+                       ks, vs, part_acc, part_ml, float(scale), b, hq,
+                       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+                       G=g, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_D=d, D_PAD=d_pad, BLOCK_SIZE=bs,
+                       TILE_N=tile_n, FP8=fp8, IEEE=q.dtype == torch.float32, NUM_SPLITS=num_splits)
+    if num_splits > 1:
+        _combine_kernel[(nq, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), hq,
+                                  HEAD_D=d, D_PAD=d_pad, NUM_SPLITS=num_splits)
+    return out
