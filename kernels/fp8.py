@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 _MIN_AMAX = 1e-12  # an all-zero head still gets a finite, positive scale
@@ -33,6 +35,14 @@ def _bcast(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale, saturated to +-448, as float8_e4m3fn."""
+    if scale.dim() == 1 and x.dim() >= 2 and use_triton(x):
+        from kernels.triton_fp8 import quantize_fp8_triton
+        return quantize_fp8_triton(x, scale)
+    return quantize_fp8_ref(x, scale)
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Torch reference of quantize_fp8."""
     return (x.float() / _bcast(scale, x)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
@@ -50,4 +60,4 @@ def convert(x: torch.Tensor, dtype: torch.dtype, src_scale: torch.Tensor | None,
             and torch.equal(src_scale.float().cpu(), dst_scale.float().cpu()):
         return x
     v = dequantize_fp8(x, src_scale) if is_fp8(x) else x
-    return quantize_fp8(v, dst_scale) if dtype == FP8 else v.to(dtype)
+    return quantize_fp8_ref(v, dst_scale) if dtype == FP8 else v.to(dtype)

@@ -95,7 +95,8 @@ def gather_heads(cache: torch.Tensor, block_tables: torch.Tensor, length: int, s
     slots = (bt[:, :, None] * bs + torch.arange(bs, device=cache.device)).flatten(1)[:, :length]
     rows = (slots[:, None, :] * h + torch.arange(h, device=cache.device)[None, :, None]).flatten()
     out = _WS.get(slot, rows.numel() * d, cache.dtype, cache.device).view(-1, d)
-    torch.index_select(cache.reshape(-1, d), 0, rows, out=out)
+    src = cache.view(torch.uint8) if is_fp8(cache) else cache  # CPU index_select lacks fp8
+    torch.index_select(src.reshape(-1, d), 0, rows, out=out.view(src.dtype))
     return out.view(bt.shape[0], h, length, d)
 
 

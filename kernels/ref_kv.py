@@ -7,6 +7,21 @@ import torch
 from kernels.fp8 import FP8, convert, fp8_scales, is_fp8
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # CPU index kernels lack fp8: move fp8 as its bytes.
+    return t.view(torch.uint8) if is_fp8(t) else t
+
+
+def take_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows [len(slots), Hkv, D] of a [num_blocks, block_size, Hkv, D] cache."""
+    flat = _bytes(cache).view(-1, *cache.shape[2:])
+    return flat.index_select(0, slots).view(cache.dtype)
+
+
+def put_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    _bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, _bytes(rows.to(cache.dtype)))
+
+
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                      v_scale: torch.Tensor | None) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
@@ -25,8 +40,7 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     for src, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        flat = cache.view(-1, *cache.shape[2:])
-        flat.index_copy_(0, slots, convert(src[keep], cache.dtype, None, scale))
+        put_rows(cache, slots, convert(src[keep], cache.dtype, None, scale))
 
 
 def check_write_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,7 +72,7 @@ def token_slots(block_ids: torch.Tensor, start: int, length: int, block_size: in
     return blk * block_size + t % block_size
 
 
-def _check_segment(seg: torch.Tensor, cache: torch.Tensor, length: int, seg_scales: torch.Tensor | None) -> None:
+def check_segment(seg: torch.Tensor, cache: torch.Tensor, length: int, seg_scales: torch.Tensor | None) -> None:
     if seg.shape != (2, length, *cache.shape[2:]):
         raise ValueError(f"segment slice must be [2, {length}, {cache.shape[2]}, {cache.shape[3]}], "
                          f"got {tuple(seg.shape)}")
@@ -70,10 +84,10 @@ def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
                   length: int, out: torch.Tensor, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> None:
     check_cache_pair(k_cache, v_cache, k_scale, v_scale)
-    _check_segment(out, k_cache, length, out_scales)
+    check_segment(out, k_cache, length, out_scales)
     slots = token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])
     for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
-        x = cache.view(-1, *cache.shape[2:])[slots]
+        x = take_rows(cache, slots)
         if is_fp8(out):
             # An fp8 segment from an fp8 cache keeps the cache's bytes and scales; from any
             # other cache it gets fresh per-head scales of this range.
@@ -87,11 +101,11 @@ def scatter_kv_ref(src: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                    v_scale: torch.Tensor | None = None, src_scales: torch.Tensor | None = None) -> None:
     check_cache_pair(k_cache, v_cache, k_scale, v_scale)
     length = src.shape[1] if src.dim() == 4 else -1
-    _check_segment(src, k_cache, length, src_scales)
+    check_segment(src, k_cache, length, src_scales)
     slots = token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])
     for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
         x = convert(src[i], cache.dtype, src_scales[i] if is_fp8(src) else None, scale)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x)
+        put_rows(cache, slots, x)
 
 
 def layer_scales(scales: torch.Tensor | None, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,0 +1,201 @@
+"""Triton kernels that move KV: slot-mapped writes into the paged cache, and gather /
+scatter of one request's token range between the paged cache and a segment slice.
+
+Each token row is its Hkv*D elements, contiguous in the cache and in the segment. A
+conversion goes through fp32: dequantize with the source scale, quantize with the
+destination scale (e4m3 saturates at +-448).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import FP8, FP8_MAX, is_fp8
+from kernels.dispatch import interpret
+from kernels.ref_kv import check_cache_pair, check_segment, check_write_args, put_rows, token_slots
+
+
+@triton.jit
+def _convert(x, src_sc_ptr, dst_sc_ptr, head, col_ok, SRC_FP8: tl.constexpr, DST_FP8: tl.constexpr,
+             dst_ty: tl.constexpr):
+    x = x.to(tl.float32)
+    if SRC_FP8:
+        x = x * tl.load(src_sc_ptr + head, mask=col_ok, other=1.0)
+    if DST_FP8:
+        x = x / tl.load(dst_sc_ptr + head, mask=col_ok, other=1.0)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x.to(dst_ty)
+
+
+@triton.jit
+def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, stage_ptr, s_k, s_v, s_kc, s_vc,
+                  HD: tl.constexpr, HD_PAD: tl.constexpr, HEAD_D: tl.constexpr, FP8_CACHE: tl.constexpr,
+                  STAGE: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if slot < 0:
+        return
+    col = tl.arange(0, HD_PAD)
+    ok = col < HD
+    head = col // HEAD_D
+    k = tl.load(k_ptr + i * s_k + col, mask=ok)
+    v = tl.load(v_ptr + i * s_v + col, mask=ok)
+    if STAGE:
+        k = _convert(k, ks_ptr, ks_ptr, head, ok, False, FP8_CACHE, tl.float32)
+        v = _convert(v, vs_ptr, vs_ptr, head, ok, False, FP8_CACHE, tl.float32)
+        tl.store(stage_ptr + i * 2 * HD + col, k, mask=ok)
+        tl.store(stage_ptr + i * 2 * HD + HD + col, v, mask=ok)
+    else:
+        k = _convert(k, ks_ptr, ks_ptr, head, ok, False, FP8_CACHE, kc_ptr.dtype.element_ty)
+        v = _convert(v, vs_ptr, vs_ptr, head, ok, False, FP8_CACHE, vc_ptr.dtype.element_ty)
+        tl.store(kc_ptr + slot * s_kc + col, k, mask=ok)
+        tl.store(vc_ptr + slot * s_vc + col, v, mask=ok)
+
+
+@triton.jit
+def _move_kernel(cache_ptr, seg_ptr, bids_ptr, src_sc, dst_sc, amax_ptr, stage_ptr, start, length, s_slot, s_tok,
+                 HD: tl.constexpr, HD_PAD: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_T: tl.constexpr, TO_SEG: tl.constexpr, SRC_FP8: tl.constexpr,
+                 DST_FP8: tl.constexpr, RAW: tl.constexpr, AMAX_ONLY: tl.constexpr, STAGE: tl.constexpr):
+    # TO_SEG: cache -> segment (gather); else segment -> cache (scatter).
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < length
+    pos = start + t
+    blk = tl.load(bids_ptr + pos // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+    slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
+    col = tl.arange(0, HD_PAD)
+    col_ok = col < HD
+    mask = t_ok[:, None] & col_ok[None, :]
+    c_off = slot[:, None] * s_slot + col[None, :]
+    s_off = t.to(tl.int64)[:, None] * s_tok + col[None, :]
+    if TO_SEG:
+        x = tl.load(cache_ptr + c_off, mask=mask, other=0.0)
+    else:
+        x = tl.load(seg_ptr + s_off, mask=mask, other=0.0)
+    head = col // HEAD_D
+    if AMAX_ONLY:
+        # First pass of a gather into a fresh fp8 segment: per-column amax, reduced to heads on the host.
+        tl.atomic_max(amax_ptr + col, tl.max(tl.abs(x.to(tl.float32)), 0), mask=col_ok)
+    else:
+        dst = seg_ptr if TO_SEG else cache_ptr
+        if RAW:
+            y = x
+        elif STAGE:
+            y = _convert(x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, tl.float32)
+        else:
+            y = _convert(x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, dst.dtype.element_ty)
+        if STAGE:
+            tl.store(stage_ptr + t.to(tl.int64)[:, None] * HD + col[None, :], y, mask=mask)
+        elif TO_SEG:
+            tl.store(seg_ptr + s_off, y, mask=mask)
+        else:
+            tl.store(cache_ptr + c_off, y, mask=mask)
+
+
+def _stage(fp8_dst: bool, numel: int, device: torch.device) -> torch.Tensor | None:
+    """Under TRITON_INTERPRET=1 an in-kernel fp32 -> fp8 cast rounds wrongly (126.7 becomes 64,
+    not 128): there the kernel writes its scaled, saturated fp32 values to a staging buffer and
+    torch casts them to fp8. Compiled kernels cast in the kernel."""
+    if not (fp8_dst and interpret()):
+        return None
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def _hd_pad(k_cache: torch.Tensor) -> tuple[int, int, int]:
+    h, d = k_cache.shape[2], k_cache.shape[3]
+    if k_cache.stride(2) != d or k_cache.stride(3) != 1:
+        raise ValueError("each cache slot must hold its Hkv*D elements contiguously")
+    return h * d, triton.next_power_of_2(h * d), d
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    check_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if k.shape[0] == 0:
+        return
+    hd, hd_pad, d = _hd_pad(k_cache)
+    k, v = k.contiguous(), v.contiguous()
+    fp8 = is_fp8(k_cache)
+    ks = k_scale.float().contiguous() if fp8 else k
+    vs = v_scale.float().contiguous() if fp8 else v
+    stage = _stage(fp8, 2 * k.shape[0] * hd, k.device)
+    _write_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, ks, vs, k if stage is None else stage,
+                                 k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1), HD=hd,
+                                 HD_PAD=hd_pad, HEAD_D=d, FP8_CACHE=fp8, STAGE=stage is not None)
+    if stage is not None:
+        keep = slot_mapping >= 0
+        rows = stage.view(-1, 2, *k.shape[1:])[keep].to(FP8)
+        put_rows(k_cache, slot_mapping[keep].long(), rows[:, 0])
+        put_rows(v_cache, slot_mapping[keep].long(), rows[:, 1])
+
+
+def _move(cache: torch.Tensor, seg: torch.Tensor, block_ids: torch.Tensor, start: int, length: int,
+          src_sc: torch.Tensor | None, dst_sc: torch.Tensor | None, to_seg: bool,
+          amax: torch.Tensor | None = None) -> None:
+    hd, hd_pad, d = _hd_pad(cache)
+    block_t = max(1, min(64, 4096 // hd_pad))
+    src, dst = (cache, seg) if to_seg else (seg, cache)
+    src_fp8, dst_fp8 = is_fp8(src), is_fp8(dst)
+    if src_fp8 and dst_fp8 and torch.equal(src_sc, dst_sc):
+        src_fp8 = dst_fp8 = False  # same scales: the bytes move as they are
+    dummy = amax if amax is not None else seg
+    stage = _stage(dst_fp8 and amax is None, length * hd, cache.device)
+    _move_kernel[(triton.cdiv(length, block_t),)](
+        cache, seg, block_ids, src_sc if src_fp8 else dummy, dst_sc if dst_fp8 else dummy, dummy,
+        dummy if stage is None else stage, start, length, cache.stride(1), seg.stride(0), HD=hd, HD_PAD=hd_pad, HEAD_D=d,
+        BLOCK_SIZE=cache.shape[1], BLOCK_T=block_t, TO_SEG=to_seg, SRC_FP8=src_fp8, DST_FP8=dst_fp8,
+        RAW=src.dtype == dst.dtype and not (src_fp8 or dst_fp8), AMAX_ONLY=amax is not None,
+        STAGE=stage is not None)
+    if stage is None:
+        return
+    rows = stage.view(length, *cache.shape[2:]).to(FP8)
+    if to_seg:
+        seg.copy_(rows)
+    else:
+        put_rows(cache, token_slots(block_ids, start, length, cache.shape[1], cache.shape[0]), rows)
+
+
+def gather_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, start: int,
+                     length: int, out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> None:
+    check_cache_pair(k_cache, v_cache, k_scale, v_scale)
+    check_segment(out, k_cache, length, out_scales)
+    token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])  # range checks
+    if length == 0:
+        return
+    if out.stride(1) != out.shape[2] * out.shape[3] or out.stride(3) != 1:
+        raise ValueError("segment rows must be contiguous")
+    h = k_cache.shape[2]
+    for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+        if is_fp8(out):
+            if is_fp8(cache):
+                out_scales[i] = scale.float()
+            else:
+                amax = torch.zeros(h * k_cache.shape[3], dtype=torch.float32, device=cache.device)
+                _move(cache, out[i], block_ids, start, length, None, None, True, amax)
+                out_scales[i] = amax.view(h, -1).amax(1).clamp(min=1e-12) / FP8_MAX
+        dst_sc = out_scales[i].float().contiguous() if is_fp8(out) else None
+        src_sc = scale.float().contiguous() if is_fp8(cache) else None
+        _move(cache, out[i], block_ids, start, length, src_sc, dst_sc, True)
+
+
+def scatter_kv_triton(src: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_ids: torch.Tensor, start: int, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None, src_scales: torch.Tensor | None = None) -> None:
+    check_cache_pair(k_cache, v_cache, k_scale, v_scale)
+    length = src.shape[1] if src.dim() == 4 else -1
+    check_segment(src, k_cache, length, src_scales)
+    token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])
+    if length == 0:
+        return
+    if src.stride(1) != src.shape[2] * src.shape[3] or src.stride(3) != 1:
+        raise ValueError("segment rows must be contiguous")
+    for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+        src_sc = src_scales[i].float().contiguous() if is_fp8(src) else None
+        dst_sc = scale.float().contiguous() if is_fp8(cache) else None
+        _move(cache, src[i], block_ids, start, length, src_sc, dst_sc, False)
+
+
+__all__ = ["FP8", "gather_kv_triton", "scatter_kv_triton", "write_kv_triton"]
