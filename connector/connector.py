@@ -1,0 +1,256 @@
+"""TierKVConnector: the engine's connector hooks over a tiered store (local tiers + remote).
+
+Scheduler side: prompt -> chained chunk keys -> one batched lookup -> tokens to load.
+Worker side: loads are fetched and verified on the connector's own loop thread while the
+step starts, then scattered into the request's blocks layer by layer (the forward waits only
+for the layer it is about to read); saves gather each layer's new full chunks out of the
+paged cache into staging buffers during the forward and put them in the background.
+
+The gather for a save finishes inside save_kv_layer, so a finished request's blocks are
+never needed after its step: request_finished always lets the engine free them at once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from connector.config import ConnectorConfig
+from connector.loop import LoopThread
+from connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
+from connector.transfer import Layout, LoadJob, run_load, run_saves
+from engine.kv_connector import KVConnector
+from kernels import FP8, gather_kv
+from storage_backends.keys import ChunkHasher, Salt
+from storage_backends.segment import VERSION
+
+log = logging.getLogger("tierkv.connector")
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               FP8: "float8_e4m3fn"}
+
+
+def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> str:
+    """Architecture, shape and a digest of every weight: KV of two models shares keys only
+    when all of these are equal."""
+    h = xxhash.xxh3_128(repr(sorted((k, repr(v)) for k, v in vars(cfg).items())
+                             if hasattr(cfg, "__dict__") else repr(cfg)).encode())
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(memoryview(p.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)))
+    return f"llama:{DTYPE_NAMES.get(dtype, str(dtype))}:{h.hexdigest()}"
+
+
+class TierKVConnector(KVConnector):
+    def __init__(self, config: ConnectorConfig | None = None) -> None:
+        self.config = config or ConnectorConfig()
+        self.stats = ConnectorStats()
+        self.loop = LoopThread()
+        self.store = self.loop.run(self._build_store())
+        self.ns = self.config.namespace
+        self.states: dict[str, RequestState] = {}
+        self.finished: dict[str, dict[str, Any]] = {}  # metrics of finished requests, read once
+        self.pending_loads: list[LoadPlan] = []
+        self.meta = StepMeta()
+        self.job: LoadJob | None = None
+        self.pending_saves = 0
+        self.save_lock = threading.Lock()
+        self.save_futures: list = []
+        self.caches: list[torch.Tensor] = []
+        self.kv_scales: torch.Tensor | None = None
+        self.hasher: ChunkHasher | None = None
+        self.layout: Layout | None = None
+        self.model_id: str | None = None
+
+    async def _build_store(self):
+        return self.config.build_store()
+
+    # -- binding to the engine -------------------------------------------------------------
+    def bind_model(self, model: torch.nn.Module, model_config: Any, dtype: torch.dtype,
+                   kv_scales: torch.Tensor | None = None) -> None:
+        """Called by the engine before register_kv_caches: fixes the salt of every key."""
+        self.model_id = model_fingerprint(model, model_config, dtype)
+        self.kv_scales = kv_scales
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        if self.model_id is None:
+            raise RuntimeError("bind_model must be called before register_kv_caches")
+        self.caches = kv_caches
+        _, _, block_size, heads, dim = kv_caches[0].shape
+        if self.config.chunk_size % block_size:
+            raise ValueError(f"chunk_size {self.config.chunk_size} is not a multiple of block size {block_size}")
+        cache_dtype = kv_caches[0].dtype
+        if cache_dtype == FP8 and self.kv_scales is None:
+            raise ValueError("an fp8 engine cache needs its kv_scales in bind_model")
+        store_dtype = FP8 if self.config.kv_dtype == "fp8" else cache_dtype
+        name = DTYPE_NAMES[store_dtype]
+        quant = "fp8_e4m3" if store_dtype == FP8 else "none"
+        salt = Salt(model_fingerprint=self.model_id, kv_format=f"tkvs{VERSION}/layer-major/{name}/{quant}",
+                    chunk_size=self.config.chunk_size, namespace=self.ns)
+        self.hasher = ChunkHasher(salt)
+        self.layout = Layout(len(kv_caches), heads, dim, name, salt.fingerprint(), block_size)
+
+    # -- scheduler side --------------------------------------------------------------------
+    def _state(self, request: Any) -> RequestState:
+        st = self.states.get(request.request_id)
+        if st is None:
+            tokens = np.asarray(request.token_ids[:request.num_prompt_tokens], dtype=np.int32)
+            keys = self.hasher.prefix_keys(tokens, partial=self.config.save_partial_chunks)
+            bounds = self.hasher.chunks(tokens, partial=self.config.save_partial_chunks)
+            chunks = [Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
+                      for i, (k, (a, b)) in enumerate(zip(keys, bounds))]
+            st = self.states[request.request_id] = RequestState(chunks, tokens)
+        return st
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        st = self._state(request)
+        if not st.chunks:
+            return 0
+        self.stats.lookups += 1
+        try:
+            where = self.loop.run(self.store.locate([c.key for c in st.chunks], self.ns),
+                                  self.config.lookup_timeout_s)
+        except Exception as e:  # a slow or failing store is a miss
+            log.warning("connector lookup failed (%r): miss", e)
+            where = []
+        n = next((i for i, w in enumerate(where) if w is None), len(where))
+        st.present, st.tiers = n, [self.store.tiers[w].name for w in where[:n]]
+        hit = st.chunks[n - 1].end if n else 0
+        new = max(0, hit - num_computed_tokens)
+        self.stats.lookup_hit_tokens += new
+        return new
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._state(request)
+        start = request.num_computed_tokens
+        end = start + num_external_tokens
+        idx = [i for i, c in enumerate(st.chunks[:st.present]) if c.end > start and c.start < end]
+        self.pending_loads.append(LoadPlan(request.request_id, torch.tensor(block_ids, dtype=torch.int32),
+                                           start, end, [st.chunks[i] for i in idx],
+                                           [st.tiers[i] for i in idx], st.tokens))
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
+        meta = StepMeta(self.pending_loads, [])
+        self.pending_loads = []
+        if not self.config.save or not self.caches:
+            return meta
+        for seq, n in zip(scheduler_output.seqs, scheduler_output.num_new_tokens):
+            start = seq.num_computed_tokens
+            if start >= seq.num_prompt_tokens:
+                continue  # decoding: generated tokens are not stored
+            st = self._state(seq)
+            stop, block_ids = start + n, None
+            while st.saved_upto < len(st.chunks) and st.chunks[st.saved_upto].end <= stop:
+                c = st.chunks[st.saved_upto]
+                st.saved_upto += 1
+                if c.index < st.present or c.end <= start:
+                    self.stats.save_skipped += 1  # in the store, or computed before we could see it
+                    continue
+                if block_ids is None:
+                    block_ids = torch.tensor(seq.block_table, dtype=torch.int32)
+                plan = self._stage(seq.request_id, block_ids, c, st.tokens[c.start:c.end])
+                if plan is not None:
+                    meta.saves.append(plan)
+        return meta
+
+    def _stage(self, rid: str, block_ids: torch.Tensor, c: Chunk, tokens: np.ndarray) -> SavePlan | None:
+        with self.save_lock:
+            if self.pending_saves >= self.config.max_pending_saves:
+                self.stats.save_dropped += 1
+                return None
+            self.pending_saves += 1
+        lay, fp8 = self.layout, self.config.kv_dtype == "fp8" or self.caches[0].dtype == FP8
+        dtype = FP8 if fp8 else self.caches[0].dtype
+        staging = torch.empty(lay.num_layers, 2, c.end - c.start, lay.num_kv_heads, lay.head_dim, dtype=dtype)
+        scales = torch.empty(lay.num_layers, 2, lay.num_kv_heads) if fp8 else None
+        return SavePlan(rid, block_ids, c, tokens, staging, scales)
+
+    def _saved(self, plan: SavePlan) -> None:
+        with self.save_lock:
+            self.pending_saves -= 1
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        st = self.states.pop(request.request_id, None)
+        if st is not None:
+            self.finished[request.request_id] = {"loaded_tokens": dict(st.loaded),
+                                                 "recomputed_tokens": st.recomputed}
+        return False
+
+    def request_metrics(self, request_id: str) -> dict[str, Any]:
+        return self.finished.pop(request_id, {})
+
+    # -- worker side -----------------------------------------------------------------------
+    def start_load_kv(self, meta: object) -> None:
+        self.meta = meta if isinstance(meta, StepMeta) else StepMeta()
+        if not self.meta.loads:
+            self.job = None
+            return
+        self.job = LoadJob(self.meta.loads, [threading.Event() for _ in self.caches])
+        self.loop.submit(run_load(self.job, self.store, self.ns, self.layout, self.caches, self.kv_scales,
+                                  self.stats, self.config.load_timeout_s))
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        job = self.job
+        if job is not None and not job.events[layer].wait(self.config.load_timeout_s):
+            self.stats.load_timeouts += 1
+            job.cancel()
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        ks, vs = (self.kv_scales[layer, 0], self.kv_scales[layer, 1]) if kv_layer.dtype == FP8 else (None, None)
+        for p in self.meta.saves:
+            c = p.chunk
+            gather_kv(kv_layer[0], kv_layer[1], p.block_ids, c.start, c.end - c.start, p.staging[layer],
+                      ks, vs, None if p.scales is None else p.scales[layer])
+
+    def wait_for_save(self) -> None:
+        saves, self.meta = self.meta.saves, StepMeta(loads=self.meta.loads)
+        if saves:
+            fut = self.loop.submit(run_saves(saves, self.store, self.ns, self.layout.fingerprint,
+                                             self.config.codec, self.stats, self._saved))
+            self.save_futures = [f for f in self.save_futures if not f.done()] + [fut]
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks from the first token each failed load did not deliver; also books the metrics."""
+        job, self.job = self.job, None
+        failed: set[int] = set()
+        if job is None:
+            return failed
+        bs = self.layout.block_size
+        for p in job.plans:
+            st = self.states.get(p.request_id)
+            stop = p.end if p.failed_from is None else p.failed_from
+            if p.failed_from is not None:
+                first = p.failed_from // bs
+                failed.update(int(b) for b in p.block_ids[first:-(-p.end // bs)].tolist())
+                self.stats.recomputed_tokens += p.end - p.failed_from
+                if st is not None:
+                    st.recomputed += p.end - p.failed_from
+            for c, tier in zip(p.chunks, p.tiers):
+                n = max(0, min(stop, c.end) - max(p.start, c.start))
+                self.stats.loaded_tokens += n
+                if st is not None and n:
+                    st.loaded[tier] = st.loaded.get(tier, 0) + n
+        return failed
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every save so far has reached every tier (tests, benchmarks, shutdown)."""
+        for f in list(self.save_futures):
+            f.result(timeout)
+        self.save_futures = []
+        self.loop.run(self.store.drain(), timeout)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+            self.loop.run(self.store.close(), 30)
+        finally:
+            self.loop.close()

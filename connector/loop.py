@@ -1,0 +1,35 @@
+"""A private asyncio loop on a daemon thread: the async tiers run there, the engine stays sync."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Coroutine
+
+
+class LoopThread:
+    """Owns one event loop. Coroutines submitted here never run on the caller's thread."""
+
+    def __init__(self, name: str = "tierkv-connector") -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        """Run coro on the loop and wait; TimeoutError (the coroutine cancelled) after timeout."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"connector operation took longer than {timeout}s") from None
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()

@@ -1,0 +1,166 @@
+"""Worker-side data movement: a step's loads (fetch, verify, scatter layer by layer) and saves.
+
+Safety contract: nothing reaches the paged cache before its segment has passed the tier's
+checksum check and this module's header check (key, parent, fingerprint, tokens, shape,
+dtype). A load that fails, times out or is cancelled scatters nothing more and names the
+blocks to recompute. After `cancel()` returns, no scatter of that job runs any more.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from connector.plan import ConnectorStats, LoadPlan, SavePlan
+from kernels import scatter_kv
+from storage_backends.base import Tier
+from storage_backends.segment import KVSegment
+
+log = logging.getLogger("tierkv.connector")
+
+
+@dataclass(slots=True)
+class Layout:
+    """What a segment of this engine must look like."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # storage dtype name (segment.dtype)
+    fingerprint: bytes
+    block_size: int
+
+
+@dataclass(slots=True)
+class LoadJob:
+    plans: list[LoadPlan]
+    events: list[threading.Event]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        with self.lock:  # waits for a scatter in progress; none starts after this
+            self.cancelled = True
+        for p in self.plans:
+            if p.failed_from is None:
+                p.failed_from = p.start
+
+
+def check_segment(seg: KVSegment, plan: LoadPlan, i: int, layout: Layout) -> str | None:
+    """Why seg cannot be injected as chunk i of plan, or None when it can."""
+    c = plan.chunks[i]
+    if seg.key != c.key or seg.parent != c.parent:
+        return "key or parent differs"
+    if seg.fingerprint != layout.fingerprint:
+        return "fingerprint differs (other model, dtype or format)"
+    if (seg.num_layers, seg.num_kv_heads, seg.head_dim, seg.dtype) != (
+            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype):
+        return "shape or dtype differs"
+    if seg.num_tokens != c.end - c.start or not np.array_equal(seg.tokens, plan.tokens[c.start:c.end]):
+        return "tokens differ"
+    return None
+
+
+async def fetch(store: Tier, ns: str, plan: LoadPlan, layout: Layout, stats: ConnectorStats) -> list[KVSegment]:
+    """The verified segments of plan's chunks, stopping at the first that is missing or wrong."""
+    segs = await asyncio.gather(*(store.get(c.key, ns) for c in plan.chunks), return_exceptions=True)
+    good: list[KVSegment] = []
+    for i, seg in enumerate(segs):
+        why = None
+        if isinstance(seg, BaseException):
+            stats.load_errors += 1
+            why = f"tier error: {seg!r}"
+        elif seg is None:
+            stats.load_misses += 1
+            why = "miss"
+        else:
+            why = check_segment(seg, plan, i, layout)
+            if why is not None:
+                stats.load_rejected += 1
+        if why is not None:
+            log.warning("load of request %s chunk %d rejected: %s; recomputing", plan.request_id,
+                        plan.chunks[i].index, why)
+            plan.failed_from = max(plan.start, plan.chunks[i].start)
+            break
+        good.append(seg)
+    return good
+
+
+def scatter_layer(job: LoadJob, segs: list[list[KVSegment]], layer: int, caches: list[torch.Tensor],
+                  kv_scales: torch.Tensor | None) -> None:
+    """Write layer's K/V of every verified chunk into its request's blocks."""
+    cache = caches[layer]
+    ks, vs = (kv_scales[layer, 0], kv_scales[layer, 1]) if kv_scales is not None else (None, None)
+    for plan, good in zip(job.plans, segs):
+        stop = plan.end if plan.failed_from is None else plan.failed_from
+        parts, scales = [], None
+        for seg, c in zip(good, plan.chunks):
+            lo, hi = max(plan.start, c.start), min(stop, c.end)
+            if hi <= lo:
+                continue
+            part = seg.layer(layer)[:, lo - c.start:hi - c.start]
+            if seg.scales is not None:  # fp8 chunks carry their own scales: one scatter each
+                scatter_kv(part, cache[0], cache[1], plan.block_ids, lo, ks, vs,
+                           torch.from_numpy(seg.scales[layer]))
+            else:
+                parts.append(part)
+        if parts:  # one scatter for the whole run of same-scaled chunks
+            src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            scatter_kv(src, cache[0], cache[1], plan.block_ids, plan.start, ks, vs, scales)
+
+
+async def run_load(job: LoadJob, store: Tier, ns: str, layout: Layout, caches: list[torch.Tensor],
+                   kv_scales: torch.Tensor | None, stats: ConnectorStats, timeout: float) -> None:
+    """Fetch and verify every chunk first, then scatter layer by layer, setting each layer's event."""
+    try:
+        segs = await asyncio.wait_for(
+            asyncio.gather(*(fetch(store, ns, p, layout, stats) for p in job.plans)), timeout)
+        for layer in range(layout.num_layers):
+            with job.lock:
+                if job.cancelled:
+                    return
+                scatter_layer(job, segs, layer, caches, kv_scales)
+            job.events[layer].set()
+        stats.record(stats.load_seconds, time.perf_counter() - job.started)
+    except asyncio.TimeoutError:
+        stats.load_timeouts += 1
+        log.warning("connector load timed out after %.1fs; recomputing", timeout)
+        job.cancel()
+    except Exception as e:  # a fault anywhere is a recompute, never a failed request
+        stats.load_errors += 1
+        log.warning("connector load failed (%r); recomputing", e)
+        job.cancel()
+    finally:
+        for ev in job.events:
+            ev.set()
+
+
+async def run_saves(saves: list[SavePlan], store: Tier, ns: str, fingerprint: bytes, codec: str,
+                    stats: ConnectorStats, done: callable) -> None:
+    """Put each staged chunk that the store does not hold yet; done(plan) frees its staging."""
+    for plan in saves:
+        t0 = time.perf_counter()
+        try:
+            c = plan.chunk
+            if (await store.contains([c.key], ns))[0]:
+                stats.save_skipped += 1
+                continue
+            seg = KVSegment.from_tensor(plan.staging, key=c.key, parent=c.parent, tokens=plan.tokens,
+                                        fingerprint=fingerprint, codec=codec,
+                                        scales=None if plan.scales is None else plan.scales.numpy())
+            if await store.put(c.key, seg, ns):
+                stats.saved_chunks += 1
+                stats.saved_bytes += seg.nbytes
+            else:
+                stats.save_dropped += 1
+        except Exception as e:
+            stats.save_dropped += 1
+            log.warning("connector save of request %s failed: %r", plan.request_id, e)
+        finally:
+            done(plan)
+            stats.record(stats.save_seconds, time.perf_counter() - t0)
