@@ -53,7 +53,8 @@ class DiskTier(Tier):
         self.index: OrderedDict[tuple[str, bytes], DiskEntry] = OrderedDict()
         self.counts: dict[str, int] = {}
         self.leases = Leases()
-        self.used_bytes = 0
+        self.used_bytes = 0  # bytes of indexed files
+        self.reserved_bytes = 0  # bytes of files being written
         self._pending: dict[tuple[str, bytes], asyncio.Future] = {}
         self._stats = TierStats(name=self.name, capacity_bytes=self.config.capacity_bytes,
                                 device=str(self.root))
@@ -184,7 +185,7 @@ class DiskTier(Tier):
             return False
         if not self._make_room(h.nbytes):
             return False
-        self.used_bytes += h.nbytes  # reserved now, so concurrent writes cannot overshoot
+        self.reserved_bytes += h.nbytes  # reserved now, so concurrent writes cannot overshoot
         path = self._path(ns, key)
         tmp = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -198,14 +199,14 @@ class DiskTier(Tier):
                     await asyncio.to_thread(os.fsync, f.fileno())
             os.replace(tmp, path)
         except OSError:  # read-only directory, disk full, permissions
-            self.used_bytes -= h.nbytes
             self._stats.errors += 1
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
             return False
-        self.used_bytes -= h.nbytes
+        finally:
+            self.reserved_bytes -= h.nbytes
         self._add(ns, key, DiskEntry(path, h))
         self._stats.puts += 1
         self._stats.bytes_in += h.nbytes
@@ -213,7 +214,7 @@ class DiskTier(Tier):
         return True
 
     def _make_room(self, n: int) -> bool:
-        free = self.config.capacity_bytes - self.used_bytes
+        free = self.config.capacity_bytes - self.used_bytes - self.reserved_bytes
         if n > self.config.capacity_bytes:
             return False
         victims = []
@@ -264,7 +265,8 @@ class DiskTier(Tier):
 
     # -- bookkeeping -----------------------------------------------------------------------
     def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
-        return self.leases.take(check_namespace(ns), check_key(key), ttl or self.config.lease_ttl_s)
+        ttl = self.config.lease_ttl_s if ttl is None else ttl
+        return self.leases.take(check_namespace(ns), check_key(key), ttl)
 
     def stats(self) -> TierStats:
         s = self._stats
@@ -277,7 +279,7 @@ class DiskTier(Tier):
 
     def check_integrity(self) -> None:
         assert self.used_bytes == sum(e.header.nbytes for e in self.index.values()), "used bytes drifted"
-        assert self.used_bytes <= self.config.capacity_bytes, "above capacity"
+        assert self.used_bytes + self.reserved_bytes <= self.config.capacity_bytes, "above capacity"
         assert sum(self.counts.values()) == len(self.index), "namespace counts drifted"
 
     async def close(self) -> None:

@@ -142,7 +142,8 @@ class GpuTier(Tier):
         return True
 
     def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
-        return self.leases.take(check_namespace(ns), check_key(key), ttl or self.config.lease_ttl_s)
+        ttl = self.config.lease_ttl_s if ttl is None else ttl
+        return self.leases.take(check_namespace(ns), check_key(key), ttl)
 
     def stats(self) -> TierStats:
         s = self._stats

@@ -9,7 +9,7 @@ from typing import AsyncIterator, Sequence
 
 from storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Tier, TierStats, check_key,
                                    check_namespace)
-from storage_backends.buffers import with_payload
+from storage_backends.buffers import copy_into, with_payload
 from storage_backends.segment import KVSegment
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,8 @@ class StoreConfig:
 
 @dataclass(slots=True)
 class StoreStats:
+    hits: int = 0  # gets answered by some tier (or by a segment moving between two)
+    misses: int = 0  # gets no tier could answer
     queued: int = 0  # background writes accepted
     dropped: int = 0  # background writes refused because the queue was full
     written: int = 0  # background puts that stored a segment in a slower tier
@@ -84,6 +86,7 @@ class TieredStore(Tier):
         self._stats = StoreStats()
         self._queue: asyncio.Queue[Job] | None = None
         self._workers: list[asyncio.Task] = []
+        self._moving: dict[tuple[str, bytes], KVSegment] = {}  # evicted, queued for the next tier
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._demoter(i)
 
@@ -91,6 +94,7 @@ class TieredStore(Tier):
         def demote(ns: str, key: bytes, segment: KVSegment) -> None:
             if self._enqueue(Job(ns, key, segment, i, [i + 1])):
                 self._stats.demoted += 1
+                self._moving[(ns, key)] = segment
         return demote
 
     def _enqueue(self, job: Job) -> bool:
@@ -115,6 +119,8 @@ class TieredStore(Tier):
             except Exception:  # a tier bug must not kill the worker; the write is just lost
                 log.exception("background write of %s failed", job.key.hex())
             finally:
+                if job.segment is not None and self._moving.get((job.ns, job.key)) is job.segment:
+                    del self._moving[(job.ns, job.key)]
                 self._queue.task_done()
 
     async def _run(self, job: Job) -> None:
@@ -152,7 +158,16 @@ class TieredStore(Tier):
                     for faster in self.tiers[:i]:
                         if await faster.put(key, seg, ns):
                             self._stats.promoted += 1
+                self._stats.hits += 1
                 return seg
+        moving = self._moving.get((ns, key))  # between two tiers right now: still a hit
+        if moving is not None:
+            seg = moving if out is None else copy_into(moving, moving.header(), out)
+            if self.config.promote and await self.tiers[0].put(key, seg, ns):
+                self._stats.promoted += 1
+            self._stats.hits += 1
+            return seg
+        self._stats.misses += 1
         return None
 
     async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
@@ -194,13 +209,13 @@ class TieredStore(Tier):
         return LeaseGroup([t.lease(key, ns) if ttl is None else t.lease(key, ns, ttl) for t in self.tiers])
 
     def stats(self) -> TierStats:
-        """The sums over tiers; see store_stats() for each tier and the queue."""
+        """Store hits and misses, and the sums over tiers; store_stats() has each tier and the queue."""
         per = [t.stats() for t in self.tiers]
         total = TierStats(name=self.name, device="+".join(s.name for s in per))
-        for f in ("hits", "bytes_in", "bytes_out", "evictions", "errors", "puts", "used_bytes",
+        for f in ("bytes_in", "bytes_out", "evictions", "errors", "puts", "used_bytes",
                   "capacity_bytes", "num_segments"):
             setattr(total, f, sum(getattr(s, f) for s in per))
-        total.misses = per[-1].misses  # a store miss is a miss in the last tier asked
+        total.hits, total.misses = self._stats.hits, self._stats.misses
         return total
 
     def store_stats(self) -> StoreStats:
