@@ -1,0 +1,322 @@
+"""The torch references of kernels/, proven against independent dense implementations:
+paged attention vs per-sequence gathered KV + scaled_dot_product_attention, RoPE vs
+transformers' Llama rotary embedding, gather/scatter vs per-token copies, fp8 bounds."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels import (FP8, RotaryEmbedding, dequantize_fp8, fp8_scales, gather_kv, gather_kv_layers,
+                     paged_attention, paged_attention_ref, quantize_fp8, rerotate_k, scatter_kv,
+                     scatter_kv_layers, use_triton, write_kv)
+from tests.test_kernels_cases import Batch, dense_attention, make_batch
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 512}
+
+
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def run_ref(b: Batch) -> torch.Tensor:
+    return paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                               b.q_positions, b.scale, b.k_scale, b.v_scale)
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 64), (8, 1, 128), (6, 2, 64)])
+def test_reference_matches_dense(dtype, hq, hkv, d):
+    b = make_batch(seed=hq * 7 + d, hq=hq, hkv=hkv, d=d, dtype=dtype,
+                   seqs=[(0, 0), (1, 1), (37, 37), (150, 1), (70, 20), (33, 0), (90, "sparse")])
+    torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(dtype))
+
+
+def test_reference_fp8_kv_matches_dense():
+    b = make_batch(seed=3, hq=8, hkv=2, d=64, dtype=torch.bfloat16, fp8=True,
+                   seqs=[(40, 40), (17, 1), (100, "sparse"), (0, 0)])
+    torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(torch.bfloat16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 80), st.sampled_from([0, 1, 3, "all", "sparse"])),
+                min_size=1, max_size=6),
+       st.sampled_from([(2, 2), (4, 1), (8, 1)]), st.integers(0, 2**16))
+def test_reference_property(seqs, heads, seed):
+    b = make_batch(seed=seed, hq=heads[0], hkv=heads[1], d=64, dtype=torch.float32, seqs=seqs)
+    torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(torch.float32))
+
+
+def test_causal_by_position():
+    # A query sees exactly the keys at positions <= its own: changing a later key must not
+    # move it, changing an earlier one must.
+    b = make_batch(seed=5, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(48, "sparse")])
+    base = run_ref(b)
+    p = int(b.q_positions[0])
+    slots = b.slots_of(0)
+    b.k_cache.view(-1, 2, 64)[slots[p + 1:]] += 5.0
+    torch.testing.assert_close(run_ref(b)[0], base[0])
+    b.k_cache.view(-1, 2, 64)[slots[p]] += 5.0
+    assert not torch.allclose(run_ref(b)[0], base[0])
+
+
+def test_bad_attention_input_is_an_error():
+    b = make_batch(seed=1, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(20, 2)])
+    bt = b.block_tables.clone()
+    bt[0, 0] = b.k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_attention_ref(b.q, b.k_cache, b.v_cache, bt, b.seq_lens, b.cu_seqlens_q, b.q_positions, b.scale)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention_ref(b.q[:, :3], b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                            b.q_positions, b.scale)
+    with pytest.raises(ValueError, match="fp8"):
+        paged_attention_ref(b.q, b.k_cache.to(FP8), b.v_cache.to(FP8), b.block_tables, b.seq_lens,
+                            b.cu_seqlens_q, b.q_positions, b.scale)
+
+
+def test_reference_is_thread_safe():
+    # The gather workspace is per thread: concurrent decodes must not see each other's KV.
+    batches = [make_batch(seed=s, hq=8, hkv=2, d=64, dtype=torch.float32,
+                          seqs=[(60 + s, 1), (30, 1), (90, 1)]) for s in range(4)]
+    want = [run_ref(b) for b in batches]
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def work(i: int) -> None:
+        got[i] = [run_ref(batches[i]) for _ in range(20)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        for out in got[i]:
+            torch.testing.assert_close(out, want[i], atol=0, rtol=0)
+
+
+def test_dispatch(monkeypatch):
+    x = torch.zeros(1)
+    assert not use_triton(x)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(x)
+    b = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(5, 5)])
+    monkeypatch.delenv("TRITON_INTERPRET")
+    torch.testing.assert_close(paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
+                                               b.cu_seqlens_q, b.q_positions, b.scale), run_ref(b))
+
+
+# --- RoPE -------------------------------------------------------------------------------
+
+def hf_rope(q, k, pos, theta, scaling, dtype):
+    params = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
+    cfg = LlamaConfig(hidden_size=q.shape[1] * q.shape[2], num_attention_heads=q.shape[1],
+                      head_dim=q.shape[2], max_position_embeddings=8192, rope_parameters=params)
+    rot = LlamaRotaryEmbedding(cfg)
+    qh, kh = q.to(dtype).transpose(0, 1)[None], k.to(dtype).transpose(0, 1)[None]
+    cos, sin = rot(qh, pos[None])
+    a, b = apply_rotary_pos_emb(qh, kh, cos, sin)
+    return a[0].transpose(0, 1), b[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "default"}, LLAMA3])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rope_matches_hf_fp32(scaling, d):
+    g = torch.Generator().manual_seed(d)
+    q, k = torch.randn(40, 8, d, generator=g), torch.randn(40, 2, d, generator=g)
+    pos = torch.randint(0, 8000, (40,), generator=g)
+    rope = RotaryEmbedding(d, 500000.0, scaling)
+    got = rope.apply(q, k, pos)
+    want = hf_rope(q, k, pos, 500000.0, None if scaling == {"rope_type": "default"} else scaling, torch.float32)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+def test_rope_bf16_rounds_fp32_result():
+    # We compute in fp32 and round once; HF rotates in bf16. Ours is the fp32 result, rounded.
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(30, 4, 64, generator=g).bfloat16(), torch.randn(30, 2, 64, generator=g).bfloat16()
+    pos = torch.randint(0, 4000, (30,), generator=g)
+    rope = RotaryEmbedding(64, 10000.0, LLAMA3)
+    got = rope.apply(q, k, pos)
+    want = hf_rope(q.float(), k.float(), pos, 10000.0, LLAMA3, torch.float32)
+    assert got[0].dtype == torch.bfloat16
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y.bfloat16(), atol=0, rtol=0)
+
+
+def test_rope_positions_beyond_table_and_errors():
+    rope = RotaryEmbedding(64, max_position=16)
+    q, k = torch.randn(2, 2, 64), torch.randn(2, 2, 64)
+    far = rope.apply(q, k, torch.tensor([5, 100]))
+    want = hf_rope(q, k, torch.tensor([5, 100]), 10000.0, None, torch.float32)
+    torch.testing.assert_close(far[0], want[0], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError):
+        rope.apply(q, k, torch.tensor([-1, 2]))
+    with pytest.raises(ValueError):
+        RotaryEmbedding(64, rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(ValueError):
+        RotaryEmbedding(64, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+
+
+@pytest.mark.parametrize("delta", [7, -3, 1500, "per_token"])
+def test_rerotate_equals_rotation_at_shifted_positions(delta):
+    g = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(64, 500000.0, LLAMA3)
+    n = 50
+    k = torch.randn(n, 2, 64, generator=g)
+    base = torch.arange(3, 3 + n)
+    d = torch.randint(-3, 2000, (n,), generator=g) if delta == "per_token" else delta
+    shifted = base + d
+    _, k_at_base = rope.apply(k[:, :1], k, base)
+    _, want = rope.apply(k[:, :1], k, shifted)
+    torch.testing.assert_close(rerotate_k(k_at_base, d, rope), want, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(rerotate_k(rerotate_k(k_at_base, d, rope), -d, rope), k_at_base,
+                               atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        rerotate_k(k, torch.zeros(3, dtype=torch.long), rope)
+
+
+# --- fp8 ----------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.floats(1e-3, 1e4), st.integers(0, 2**16))
+def test_fp8_roundtrip_bounds(n, h, mag, seed):
+    x = torch.randn(n, h, 16, generator=torch.Generator().manual_seed(seed)) * mag
+    s = fp8_scales(x, 1)
+    assert s.shape == (h,)
+    q = quantize_fp8(x, s)
+    assert q.dtype == FP8 and q.float().abs().max() <= 448
+    back = dequantize_fp8(q, s, torch.float32)
+    # e4m3: 3 mantissa bits (relative error <= 2^-4 for normals); subnormal step 2^-9 * scale.
+    assert ((back - x).abs() <= x.abs() * 2**-4 + s.view(-1, 1) * 2**-9).all()
+
+
+def test_fp8_saturates_and_checks():
+    s = torch.tensor([1.0])
+    q = quantize_fp8(torch.tensor([[[1e6, -1e6, 3.0]]]), s)
+    assert q.float().tolist() == [[[448.0, -448.0, 3.0]]]
+    assert fp8_scales(torch.zeros(2, 3, 4), 1).gt(0).all()
+    with pytest.raises(ValueError):
+        quantize_fp8(torch.ones(2, 3, 4), torch.ones(2))
+    with pytest.raises(ValueError):
+        dequantize_fp8(torch.ones(2, 3, 4), torch.ones(3))
+
+
+# --- KV write, gather, scatter ------------------------------------------------------------
+
+def cache_pair(nb, bs, h, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(nb, bs, h, d, generator=g), torch.randn(nb, bs, h, d, generator=g)
+    if dtype == FP8:
+        sc = torch.rand(2, h, generator=g) * 0.01 + 0.003
+        return quantize_fp8(k, sc[0]), quantize_fp8(v, sc[1]), sc
+    return k.to(dtype), v.to(dtype), None
+
+
+def test_write_kv_slots_and_skips():
+    kc, vc, _ = cache_pair(8, 4, 2, 16, torch.float32, 0)
+    before_k, before_v = kc.clone(), vc.clone()
+    k, v = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    write_kv(k, v, kc, vc, torch.tensor([5, -1, 31, 0]))
+    flat, was = kc.view(-1, 2, 16), before_k.view(-1, 2, 16)
+    for slot, row in ((5, 0), (31, 2), (0, 3)):
+        assert torch.equal(flat[slot], k[row]) and torch.equal(vc.view(-1, 2, 16)[slot], v[row])
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[[5, 31, 0]] = False
+    assert torch.equal(flat[untouched], was[untouched])
+    with pytest.raises(ValueError, match="past the end"):
+        write_kv(k, v, kc, vc, torch.tensor([1, 2, 3, 32]))
+    assert torch.equal(kc.view(-1, 2, 16)[1], before_k.view(-1, 2, 16)[1])  # nothing written
+    del before_v
+
+
+def test_write_kv_fp8_quantizes():
+    kc = torch.zeros(4, 4, 2, 16, dtype=FP8)
+    vc = torch.zeros_like(kc)
+    sc = torch.tensor([0.01, 0.02])
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    write_kv(k, v, kc, vc, torch.tensor([0, 7, 9]), sc, sc * 2)
+    assert torch.equal(kc.view(-1, 2, 16)[7].view(torch.uint8), quantize_fp8(k[1], sc).view(torch.uint8))
+    assert torch.equal(vc.view(-1, 2, 16)[9].view(torch.uint8), quantize_fp8(v[2], sc * 2).view(torch.uint8))
+    with pytest.raises(ValueError, match="scale"):
+        write_kv(k, v, kc, vc, torch.tensor([0, 1, 2]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 60), st.sampled_from([torch.float32, torch.bfloat16, FP8]),
+       st.integers(0, 2**16))
+def test_gather_scatter_property(start, length, dtype, seed):
+    nb, bs, h, d = 12, 8, 2, 16
+    kc, vc, sc = cache_pair(nb, bs, h, d, dtype, seed)
+    nblk = -(-(start + length) // bs)
+    if nblk > nb:
+        return
+    bids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[:max(nblk, 1)].int()
+    ks, vs = (sc[0], sc[1]) if sc is not None else (None, None)
+    out = torch.empty(2, length, h, d, dtype=dtype)
+    out_sc = torch.zeros(2, h) if dtype == FP8 else None
+    gather_kv(kc, vc, bids, start, length, out, ks, vs, out_sc)
+    for t in range(length):
+        slot = int(bids[(start + t) // bs]) * bs + (start + t) % bs
+        assert torch.equal(out[0, t].view(torch.uint8), kc.view(-1, h, d)[slot].view(torch.uint8))
+        assert torch.equal(out[1, t].view(torch.uint8), vc.view(-1, h, d)[slot].view(torch.uint8))
+    # Scatter into a fresh cache at other blocks, then gather back: the same bytes.
+    kc2, vc2, _ = cache_pair(nb, bs, h, d, dtype, seed + 1)
+    bids2 = bids.flip(0).contiguous()
+    scatter_kv(out, kc2, vc2, bids2, start, ks, vs, out_sc)
+    back = torch.empty_like(out)
+    gather_kv(kc2, vc2, bids2, start, length, back, ks, vs, torch.zeros(2, h) if dtype == FP8 else None)
+    assert torch.equal(back.view(torch.uint8), out.view(torch.uint8))
+
+
+def test_bf16_cache_to_fp8_segment_and_back():
+    kc, vc, _ = cache_pair(6, 16, 2, 64, torch.bfloat16, 4)
+    bids = torch.tensor([4, 1, 3], dtype=torch.int32)
+    seg = torch.empty(2, 40, 2, 64, dtype=FP8)
+    seg_sc = torch.zeros(2, 2)
+    gather_kv(kc, vc, bids, 3, 40, seg, out_scales=seg_sc)
+    exact = torch.empty(2, 40, 2, 64, dtype=torch.bfloat16)
+    gather_kv(kc, vc, bids, 3, 40, exact)
+    torch.testing.assert_close(seg_sc, fp8_scales(exact.float(), 0, 2))
+    torch.testing.assert_close(dequantize_fp8(seg[0], seg_sc[0]), exact[0].float(), atol=0.02, rtol=2**-4)
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    scatter_kv(seg, kc2, vc2, bids, 3, src_scales=seg_sc)
+    back = torch.empty_like(exact)
+    gather_kv(kc2, vc2, bids, 3, 40, back)
+    torch.testing.assert_close(back.float(), exact.float(), atol=0.02, rtol=2**-4)
+
+
+def test_gather_scatter_layers_and_errors():
+    layers = [torch.randn(2, 6, 4, 2, 8) for _ in range(3)]
+    bids = torch.tensor([5, 0, 2], dtype=torch.int32)
+    out = torch.empty(3, 2, 9, 2, 8)
+    gather_kv_layers(layers, bids, 2, 9, out)
+    for i, c in enumerate(layers):
+        one = torch.empty(2, 9, 2, 8)
+        gather_kv(c[0], c[1], bids, 2, 9, one)
+        assert torch.equal(out[i], one)
+    fresh = [torch.zeros_like(c) for c in layers]
+    scatter_kv_layers(out, fresh, bids, 2)
+    again = torch.empty_like(out)
+    gather_kv_layers(fresh, bids, 2, 9, again)
+    assert torch.equal(again, out)
+    snapshot = [c.clone() for c in fresh]
+    with pytest.raises(ValueError, match="exceed"):
+        scatter_kv_layers(torch.ones(3, 2, 20, 2, 8), fresh, bids, 2)
+    with pytest.raises(ValueError, match="outside"):
+        scatter_kv(torch.ones(2, 4, 2, 8), fresh[0][0], fresh[0][1], torch.tensor([9], dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="segment"):
+        gather_kv_layers(layers, bids, 0, 4, torch.empty(2, 2, 4, 2, 8))
+    assert all(torch.equal(a, b) for a, b in zip(fresh, snapshot))

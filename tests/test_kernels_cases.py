@@ -1,0 +1,105 @@
+"""Randomized paged-attention batches for the kernel tests, and an independent dense
+attention over them (per-token block walk + scaled_dot_product_attention with an
+explicit position mask). No tests here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import FP8, dequantize_fp8, fp8_scales, quantize_fp8
+
+BLOCK = 16
+PAD = 10**6  # block-table padding: any read of it would fault or fail the range check
+
+
+@dataclass(slots=True)
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    q_positions: torch.Tensor
+    scale: float
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    blocks: list[list[int]]
+    positions: list[list[int]]
+
+    def slots_of(self, b: int) -> torch.Tensor:
+        n = int(self.seq_lens[b])
+        t = torch.arange(n)
+        return torch.tensor(self.blocks[b], dtype=torch.long)[t // BLOCK] * BLOCK + t % BLOCK
+
+
+def _queries(n_keys: int, spec: int | str, g: torch.Generator) -> list[int]:
+    if spec == "all":
+        return list(range(n_keys))
+    if spec == "sparse":
+        if n_keys == 0:
+            return []
+        k = n_keys // 4 + 1
+        return torch.randperm(n_keys, generator=g)[:k].tolist()  # shuffled, non-contiguous
+    n = min(int(spec), n_keys)
+    return list(range(n_keys - n, n_keys))
+
+
+def make_batch(seed: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
+               seqs: list[tuple[int, int | str]], fp8: bool = False,
+               cache_dtype: torch.dtype | None = None) -> Batch:
+    """seqs: (number of keys in the cache, queries: n = the last n positions, "all", or
+    "sparse" = a shuffled random subset). Blocks come shuffled out of a larger pool."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // BLOCK) for n, _ in seqs]
+    pool = torch.randperm(sum(need) + 7, generator=g).tolist()
+    blocks, at = [], 0
+    for n in need:
+        blocks.append(pool[at:at + n])
+        at += n
+    width = max(max(need), 1) + 1
+    bt = torch.full((len(seqs), width), PAD, dtype=torch.int32)
+    for i, blk in enumerate(blocks):
+        bt[i, :len(blk)] = torch.tensor(blk, dtype=torch.int32)
+    nb = len(pool)
+    k = torch.randn(nb, BLOCK, hkv, d, generator=g)
+    v = torch.randn(nb, BLOCK, hkv, d, generator=g)
+    k_scale = v_scale = None
+    if fp8:
+        k_scale, v_scale = fp8_scales(k, 2), fp8_scales(v, 2)
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    else:
+        k, v = k.to(cache_dtype or dtype), v.to(cache_dtype or dtype)
+    positions = [_queries(n, spec, g) for n, spec in seqs]
+    counts = torch.tensor([len(p) for p in positions])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = counts.cumsum(0)
+    nq = int(cu[-1])
+    return Batch(q=torch.randn(nq, hq, d, generator=g).to(dtype), k_cache=k, v_cache=v, block_tables=bt,
+                 seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32), cu_seqlens_q=cu,
+                 q_positions=torch.tensor(sum(positions, []), dtype=torch.int32), scale=d ** -0.5,
+                 k_scale=k_scale, v_scale=v_scale, blocks=blocks, positions=positions)
+
+
+def _dense_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: list[int], n: int) -> torch.Tensor:
+    rows = torch.cat([cache[b] for b in blocks])[:n] if blocks else cache[:0, 0]
+    return dequantize_fp8(rows, scale) if rows.dtype == FP8 else rows.float()
+
+
+def dense_attention(b: Batch) -> torch.Tensor:
+    """Plain attention per sequence in fp32 over its gathered KV."""
+    out = torch.zeros(b.q.shape, dtype=torch.float32)
+    hq, hkv = b.q.shape[1], b.k_cache.shape[2]
+    for i, pos in enumerate(b.positions):
+        s, e, n = int(b.cu_seqlens_q[i]), int(b.cu_seqlens_q[i + 1]), int(b.seq_lens[i])
+        if s == e or n == 0:
+            continue
+        k = _dense_kv(b.k_cache, b.k_scale, b.blocks[i], n).repeat_interleave(hq // hkv, 1)
+        v = _dense_kv(b.v_cache, b.v_scale, b.blocks[i], n).repeat_interleave(hq // hkv, 1)
+        mask = torch.arange(n)[None, :] <= torch.tensor(pos)[:, None]
+        o = F.scaled_dot_product_attention(b.q[s:e].float().transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), attn_mask=mask, scale=b.scale)
+        out[s:e] = o.transpose(0, 1)
+    return out.to(b.q.dtype)
