@@ -1,0 +1,225 @@
+"""The connector end to end: a hit gives the same greedy tokens as a cold run (fp32), from
+every tier; faults and foreign KV are recomputed, counted and never injected."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from connector import ConnectorConfig, TierKVConnector
+from engine import LLM, SamplingParams
+from storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from storage_backends.store import TieredStore
+from tests.services import ServerProcess
+
+CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+CHUNK = 64
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPT = tokens(330, 1)  # 5 full chunks of 64 and a partial one
+
+
+def engine(conn=None, seed: int = 0, dtype: str = "float32") -> LLM:
+    return LLM(CFG, dtype=dtype, kv_cache_bytes=4 << 20, enable_prefix_caching=False, kv_connector=conn,
+               seed=seed)
+
+
+@pytest.fixture(scope="module")
+def cold() -> dict[str, list[int]]:
+    """Greedy outputs without any cache, for every prompt the tests use."""
+    llm = engine()
+    prompts = {"full": PROMPT, "partial": PROMPT[:200] + tokens(90, 2), "longer": PROMPT + tokens(150, 3)}
+    return {k: llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for k, p in prompts.items()}
+
+
+def run(conn: TierKVConnector, prompt: list[int]):
+    out = engine(conn).generate([prompt], GREEDY, use_tqdm=False)[0]
+    conn.flush()
+    return out
+
+
+def check_reuse(writer: TierKVConnector, reader, cold: dict, tier: str) -> None:
+    """writer stores PROMPT's chunks; reader (a connector, or a function making one after the
+    writer ran) then serves full, partial and longer prompts."""
+    first = run(writer, PROMPT)
+    assert first.token_ids == cold["full"]
+    assert writer.stats.saved_chunks == 5
+    if not isinstance(reader, TierKVConnector):
+        reader = reader()
+    full = run(reader, PROMPT)
+    assert full.token_ids == cold["full"]
+    assert full.metrics.external_tokens == 5 * CHUNK
+    assert full.metrics.connector["loaded_tokens"] == {tier: 5 * CHUNK}
+    part = run(reader, PROMPT[:200] + tokens(90, 2))  # the hit ends inside the prompt's 4th chunk
+    assert part.token_ids == cold["partial"]
+    assert part.metrics.external_tokens == 3 * CHUNK
+    longer = run(reader, PROMPT + tokens(150, 3))  # all 5 chunks hit, then new tokens
+    assert longer.token_ids == cold["longer"]
+    assert longer.metrics.external_tokens == 5 * CHUNK
+    assert reader.stats.load_rejected == reader.stats.load_errors == reader.stats.recomputed_tokens == 0
+
+
+def test_reuse_from_cpu_tier(cold) -> None:
+    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB"))
+    try:
+        check_reuse(conn, conn, cold, "cpu")
+        assert conn.stats.save_skipped >= 5  # a second run of the same prompt stores nothing again
+    finally:
+        conn.close()
+
+
+def test_reuse_from_disk_tier(cold, tmp_path) -> None:
+    cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, disk_dir=tmp_path / "kv")
+    readers = []
+
+    def restart() -> TierKVConnector:  # the writer's process is gone; the index comes from the files
+        writer.close()
+        readers.append(TierKVConnector(cfg))
+        return readers[0]
+
+    writer = TierKVConnector(cfg)
+    try:
+        check_reuse(writer, restart, cold, "disk")
+    finally:
+        for r in readers:
+            r.close()
+
+
+def test_reuse_through_cache_server(cold) -> None:
+    server = ServerProcess().start()
+    try:
+        cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=f"grpc://{server.target}")
+        writer, reader = TierKVConnector(cfg), TierKVConnector(cfg)
+        try:
+            check_reuse(writer, reader, cold, "remote")
+        finally:
+            writer.close()
+            reader.close()
+    finally:
+        server.stop(kill=True)
+
+
+def test_reuse_from_redis(cold, redis_proc) -> None:
+    cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url)
+    writer, reader = TierKVConnector(cfg), TierKVConnector(cfg)
+    try:
+        check_reuse(writer, reader, cold, "redis")
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_local_tier_promotes_remote_hits(cold, redis_proc) -> None:
+    writer = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url))
+    reader = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", remote=redis_proc.url))
+    try:
+        run(writer, PROMPT)
+        assert run(reader, PROMPT).metrics.connector["loaded_tokens"] == {"redis": 5 * CHUNK}
+        again = run(reader, PROMPT)
+        assert again.token_ids == cold["full"]
+        assert again.metrics.connector["loaded_tokens"] == {"cpu": 5 * CHUNK}
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_second_process_reuses_first_process_kv_through_server(cold) -> None:
+    """Two separate interpreters; the second starts with an empty local cache."""
+    import json
+    import subprocess
+    import sys
+
+    server = ServerProcess().start()
+    try:
+        outs = []
+        for _ in range(2):
+            p = subprocess.run([sys.executable, "-m", "tests.conn_worker", server.target, "1", "330"],
+                               capture_output=True, text=True, timeout=240, check=True)
+            outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        a, b = outs
+        assert a["tokens"] == b["tokens"] == cold["full"]
+        assert a["metrics"]["external_tokens"] == 0
+        assert b["metrics"]["external_tokens"] == 5 * CHUNK
+        assert b["metrics"]["connector"]["loaded_tokens"] == {"remote": 5 * CHUNK}
+    finally:
+        server.stop(kill=True)
+
+
+class FaultTier(CpuTier):
+    """A real cpu tier whose reads can be made to fail in one way (tests only, not product)."""
+
+    mode = "none"  # none | raise | slow | flip | tokens | drop
+
+    async def get(self, key, ns="default", out=None):
+        seg = await super().get(key, ns, out)
+        if seg is None or self.mode == "none":
+            return seg
+        if self.mode == "raise":
+            raise RuntimeError("injected tier fault")
+        if self.mode == "slow":
+            await asyncio.sleep(3.0)
+            return seg
+        if self.mode == "drop":
+            return None
+        if self.mode == "flip":  # the recorded checksums no longer match the bytes
+            payload = seg.payload.clone()
+            payload.view(torch.uint8).view(-1)[1234] ^= 0x10
+            return dataclasses.replace(seg, payload=payload)
+        other = (seg.tokens + 1) % CFG["vocab_size"]  # valid checksums, other tokens
+        return type(seg).from_tensor(seg.payload, key=seg.key, parent=seg.parent, tokens=other,
+                                     fingerprint=seg.fingerprint)
+
+
+@pytest.mark.parametrize("mode,counter", [("raise", "load_errors"), ("slow", "load_timeouts"),
+                                          ("flip", "load_rejected"), ("tokens", "load_rejected"),
+                                          ("drop", "load_misses")])
+def test_faults_recompute_and_count(cold, mode: str, counter: str) -> None:
+    tier = FaultTier(CpuTierConfig(capacity_bytes="16MiB"))
+    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, load_timeout_s=0.5), tiers=[tier])
+    try:
+        run(conn, PROMPT)
+        tier.mode = mode
+        out = run(conn, PROMPT)
+        assert out.token_ids == cold["full"]
+        assert getattr(conn.stats, counter) >= 1
+        assert conn.stats.recomputed_tokens == 5 * CHUNK
+        assert out.metrics.connector["recomputed_tokens"] == 5 * CHUNK
+        assert out.metrics.connector["loaded_tokens"] == {}
+        if mode == "slow":  # the engine waited about its deadline, not the tier's 3 s
+            assert out.metrics.ttft < 2.5
+        tier.mode = "none"
+        assert run(conn, PROMPT).metrics.connector["loaded_tokens"] == {"cpu": 5 * CHUNK}
+    finally:
+        conn.close()
+
+
+def test_salts_other_model_dtype_or_namespace_never_hit(redis_proc) -> None:
+    def conn(ns: str) -> TierKVConnector:
+        return TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url, namespace=ns))
+
+    a, b = conn("tenant-a"), conn("tenant-b")
+    try:
+        run(a, PROMPT)
+        assert a.stats.saved_chunks == 5
+        other_weights = engine(a, seed=1).generate([PROMPT], GREEDY, use_tqdm=False)[0]
+        other_dtype = engine(a, dtype="bfloat16").generate([PROMPT], GREEDY, use_tqdm=False)[0]
+        other_tenant = run(b, PROMPT)
+        for out in (other_weights, other_dtype, other_tenant):
+            assert out.metrics.external_tokens == 0
+        assert run(a, PROMPT).metrics.external_tokens == 5 * CHUNK  # the owner still hits
+        import redis
+        r = redis.Redis(port=redis_proc.port)
+        assert len(r.keys("tierkv:tenant-a:*")) == 5 + 5 + 5  # three models' chunks, all tenant a
+        assert len(r.keys("tierkv:tenant-b:*")) == 5
+    finally:
+        a.close()
+        b.close()
