@@ -35,7 +35,9 @@ class Batch:
         return torch.tensor(self.blocks[b], dtype=torch.long)[t // BLOCK] * BLOCK + t % BLOCK
 
 
-def _queries(n_keys: int, spec: int | str, g: torch.Generator) -> list[int]:
+def _queries(n_keys: int, spec: int | str | list[int], g: torch.Generator) -> list[int]:
+    if isinstance(spec, list):
+        return spec
     if spec == "all":
         return list(range(n_keys))
     if spec == "sparse":
@@ -48,10 +50,11 @@ def _queries(n_keys: int, spec: int | str, g: torch.Generator) -> list[int]:
 
 
 def make_batch(seed: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
-               seqs: list[tuple[int, int | str]], fp8: bool = False,
+               seqs: list[tuple[int, int | str | list[int]]], fp8: bool = False,
                cache_dtype: torch.dtype | None = None) -> Batch:
-    """seqs: (number of keys in the cache, queries: n = the last n positions, "all", or
-    "sparse" = a shuffled random subset). Blocks come shuffled out of a larger pool."""
+    """seqs: (number of keys in the cache, queries: n = the last n positions, "all",
+    "sparse" = a shuffled random subset, or a list of positions). Blocks come shuffled out
+    of a larger pool."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // BLOCK) for n, _ in seqs]
     pool = torch.randperm(sum(need) + 7, generator=g).tolist()
