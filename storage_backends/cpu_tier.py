@@ -13,7 +13,7 @@ from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Lease
                                    check_key, check_namespace, parse_size)
 from storage_backends.buffers import copy_into, out_view
 from storage_backends.pages import PageAllocator, runs
-from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
+from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, checksum, decode_layer
 
 
 @dataclass(slots=True)
@@ -22,6 +22,11 @@ class CpuTierConfig:
     page_bytes: int | str = "256KiB"  # allocation unit; a segment wastes at most one page less a byte
     pin_memory: bool | None = None  # page-lock the buffer for fast H2D copies; None: when CUDA is present
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
+    # Re-check layer checksums on every read. The tier holds only bytes it copied itself from
+    # checked or locally computed segments, so this guards against memory corruption alone,
+    # and costs about half the get bandwidth (xxh3 is as slow as the copy). Readers of
+    # get_layers check each layer with decode_layer either way.
+    verify_gets: bool = False
 
     def __post_init__(self) -> None:
         self.capacity_bytes = parse_size(self.capacity_bytes)
@@ -39,7 +44,8 @@ class CpuEntry:
 
 class CpuTier(Tier):
     """Host-memory tier. Not thread-safe: use it from one event loop. Every operation runs
-    without awaiting, so a get never sees a half-written or half-evicted segment."""
+    without awaiting, so a get never sees a half-written or half-evicted segment. Checksums
+    are checked on get only with verify_gets (see CpuTierConfig); the gpu tier does the same."""
 
     name = "cpu"
 
@@ -76,8 +82,12 @@ class CpuTier(Tier):
             if out is not None and h.codec == "none":
                 dst = out_view(out, h.payload_raw_nbytes)
                 if dst is not None:
-                    self._gather(entry, h.header_nbytes, h.nbytes, dst)
-                    seg = KVSegment.from_raw(h, dst, verify=True)
+                    for i, (off, n) in enumerate(h.layers):  # check each layer while it is in cache
+                        part = dst[off - h.header_nbytes:off - h.header_nbytes + n]
+                        self._gather(entry, off, off + n, part)
+                        if self.config.verify_gets and checksum(part) != h.checksums[i]:
+                            raise SegmentError(f"layer {i}: checksum mismatch")
+                    seg = KVSegment.from_raw(h, dst, verify=False)
                 else:
                     seg = copy_into(self._read(entry), h, out)
             else:
@@ -96,7 +106,7 @@ class CpuTier(Tier):
         """A verified copy of the whole encoded segment, owned by the caller."""
         buf = memoryview(bytearray(entry.header.nbytes))
         self._gather(entry, 0, len(buf), buf)
-        return KVSegment.from_parts(entry.header, buf, verify=True)
+        return KVSegment.from_parts(entry.header, buf, verify=self.config.verify_gets)
 
     def _gather(self, entry: CpuEntry, start: int, stop: int, dst: memoryview) -> None:
         pb = self.config.page_bytes
@@ -118,11 +128,12 @@ class CpuTier(Tier):
                     return
                 data = scratch[:n]
                 self._gather(entry, off, off + n, data)
-                try:
-                    decode_layer(h, i, data)
-                except SegmentError:
-                    self._corrupt(ns, key)
-                    return
+                if self.config.verify_gets:
+                    try:
+                        decode_layer(h, i, data)
+                    except SegmentError:
+                        self._corrupt(ns, key)
+                        return
                 self._stats.bytes_out += n
                 yield LayerChunk(h, i, data)
 

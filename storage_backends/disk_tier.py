@@ -17,7 +17,8 @@ import aiofiles
 from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Lease, Leases, Tier, TierStats,
                                    check_key, check_namespace, parse_size)
 from storage_backends.buffers import copy_into, out_view
-from storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, decode_layer
+from storage_backends.segment import (PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum,
+                                      decode_layer)
 
 _NAME = re.compile(r"[0-9a-f]{32}\.tkv")
 
@@ -38,6 +39,7 @@ class DiskTierConfig:
 class DiskEntry:
     path: Path
     header: SegmentHeader
+    prefix: bytes  # the file's first PREFIX_NBYTES, which hold the header's checksum
 
 
 class DiskTier(Tier):
@@ -73,14 +75,14 @@ class DiskTier(Tier):
                 if f.name.endswith(".tmp"):
                     f.unlink(missing_ok=True)  # an interrupted write
                 elif _NAME.fullmatch(f.name):
-                    header = _read_header(f)
-                    if header is None or header.key.hex() != f.name[:32]:
+                    got = _read_header(f)
+                    if got is None or got[0].key.hex() != f.name[:32]:
                         self._stats.errors += 1
                         f.unlink(missing_ok=True)
                     else:
-                        found.append((f.stat().st_mtime_ns, ns, header, f))
-        for _, ns, header, f in sorted(found, key=lambda x: x[0]):
-            self._add(ns, header.key, DiskEntry(f, header))
+                        found.append((f.stat().st_mtime_ns, ns, got, f))
+        for _, ns, (header, prefix), f in sorted(found, key=lambda x: x[0]):
+            self._add(ns, header.key, DiskEntry(f, header, prefix))
         while self.used_bytes > self.config.capacity_bytes:  # the capacity was lowered
             ns, key = next(iter(self.index))
             self._remove(ns, key)
@@ -103,20 +105,14 @@ class DiskTier(Tier):
             return None
         h = entry.header
         dst = out_view(out, h.payload_raw_nbytes) if out is not None and h.codec == "none" else None
+        head = memoryview(bytearray(h.header_nbytes if dst is not None else h.nbytes))
+        bufs = [head, dst] if dst is not None else [head]  # the payload straight into the caller's buffer
         try:
             with self.lease(key, ns):
-                async with aiofiles.open(entry.path, "rb") as f:
-                    head = bytearray(h.header_nbytes)
-                    if dst is not None:  # read the payload straight into the caller's buffer
-                        ok = await f.readinto(head) == len(head) and await f.readinto(dst) == len(dst)
-                        ok = ok and await f.read(1) == b""
-                        seg = KVSegment.from_raw(_same(h, head), dst) if ok else None
-                    else:
-                        buf = bytearray(h.nbytes)
-                        ok = await f.readinto(buf) == len(buf) and await f.read(1) == b""
-                        seg = KVSegment.decode(buf) if ok else None
-            if seg is None:
-                raise SegmentError("file length does not match its header")
+                if not _read_cached(entry.path, bufs, h.nbytes):
+                    await _read_aio(entry.path, bufs, h.nbytes)
+            _same(entry, head[:h.header_nbytes])
+            seg = KVSegment.from_raw(h, dst) if dst is not None else KVSegment.from_parts(h, head)
             if out is not None and dst is None:
                 seg = copy_into(seg, h, out)
         except (OSError, SegmentError):
@@ -144,7 +140,7 @@ class DiskTier(Tier):
                     head = bytearray(h.header_nbytes)
                     if await f.readinto(head) != len(head):
                         raise SegmentError("truncated header")
-                    _same(h, head)
+                    _same(entry, head)
                     for i, (_, n) in enumerate(h.layers):
                         data = scratch[:n]
                         if await f.readinto(data) != n:
@@ -207,7 +203,7 @@ class DiskTier(Tier):
             return False
         finally:
             self.reserved_bytes -= h.nbytes
-        self._add(ns, key, DiskEntry(path, h))
+        self._add(ns, key, DiskEntry(path, h, bytes(head[:PREFIX_NBYTES])))
         self._stats.puts += 1
         self._stats.bytes_in += h.nbytes
         self._put_lat.add(time.perf_counter() - t0)
@@ -287,24 +283,50 @@ class DiskTier(Tier):
             await asyncio.shield(fut)
 
 
-def _read_header(path: Path) -> SegmentHeader | None:
-    """The header of a segment file whose length matches it, else None (partial or garbage)."""
+def _read_header(path: Path) -> tuple[SegmentHeader, bytes] | None:
+    """The header and prefix of a segment file whose length matches it, else None (partial or garbage)."""
     try:
         with open(path, "rb") as f:
-            hn = SegmentHeader.peek_nbytes(f.read(PREFIX_NBYTES))
+            prefix = f.read(PREFIX_NBYTES)
             f.seek(0)
-            h = SegmentHeader.decode(f.read(hn))
-            return h if os.fstat(f.fileno()).st_size == h.nbytes else None
+            h = SegmentHeader.decode(f.read(SegmentHeader.peek_nbytes(prefix)))
+            return (h, prefix) if os.fstat(f.fileno()).st_size == h.nbytes else None
     except (OSError, SegmentError):
         return None
 
 
-def _same(h: SegmentHeader, head: bytearray) -> SegmentHeader:
-    """The header now on disk must still be the one indexed (the file may have been replaced)."""
-    now = SegmentHeader.decode(head)
-    if now.checksums != h.checksums or now.layers != h.layers or now.key != h.key:
+def _read_cached(path: Path, bufs: list[memoryview], nbytes: int) -> bool:
+    """Fill bufs from the page cache without blocking (RWF_NOWAIT), or return False so the
+    caller reads on a worker thread: a cached read costs less than one thread hop."""
+    if not hasattr(os, "RWF_NOWAIT"):
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            raise SegmentError("file length does not match its header")
+        return os.preadv(fd, bufs, 0, os.RWF_NOWAIT) == nbytes
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+async def _read_aio(path: Path, bufs: list[memoryview], nbytes: int) -> None:
+    async with aiofiles.open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size != nbytes:
+            raise SegmentError("file length does not match its header")
+        for b in bufs:
+            if await f.readinto(b) != len(b):
+                raise SegmentError("file shorter than its header says")
+
+
+def _same(entry: DiskEntry, head) -> None:
+    """The header now on disk must still be the one indexed (the file may have been replaced):
+    the same prefix, whose checksum covers the rest of the header, and that checksum holds."""
+    if bytes(head[:PREFIX_NBYTES]) != entry.prefix:
         raise SegmentError("file header changed since it was indexed")
-    return now
+    if checksum(head[PREFIX_NBYTES:]) != int.from_bytes(entry.prefix[-8:], "little"):
+        raise SegmentError("header checksum mismatch")
 
 
 def _load(entry: DiskEntry) -> KVSegment | None:

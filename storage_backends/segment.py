@@ -51,6 +51,8 @@ class SegmentError(ValueError):
 
 
 def _frombuffer(buf, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    if not memoryview(buf).readonly:
+        return torch.frombuffer(buf, dtype=dtype, offset=offset, count=count)
     with warnings.catch_warnings():  # read-only bytes are fine: tiers never write through views
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(buf, dtype=dtype, offset=offset, count=count)
@@ -61,7 +63,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _checksum(raw) -> int:
+def checksum(raw) -> int:
     return xxhash.xxh3_64_intdigest(raw)
 
 
@@ -123,7 +125,7 @@ class SegmentHeader:
         hn = SegmentHeader.peek_nbytes(mv)
         if len(mv) < hn:
             raise SegmentError(f"truncated header: {len(mv)} bytes, the header needs {hn}")
-        if _checksum(mv[PREFIX_NBYTES:hn]) != PREFIX.unpack_from(mv)[4]:
+        if checksum(mv[PREFIX_NBYTES:hn]) != PREFIX.unpack_from(mv)[4]:
             raise SegmentError("header checksum mismatch")
         (key, parent, nl, nt, nh, hd, base, dt, qu, co, _, fl) = FIXED.unpack_from(mv, PREFIX_NBYTES)
         if not (1 <= nl <= 4096 and 1 <= nt <= MAX_DIM and 1 <= nh <= 4096 and 1 <= hd <= 4096):
@@ -165,7 +167,7 @@ class SegmentHeader:
         parts += [LAYER.pack(off - self.header_nbytes, n, ck) for (off, n), ck in zip(self.layers, self.checksums)]
         body = b"".join(parts)  # small: the header only, never the payload
         body += bytes(self.header_nbytes - PREFIX_NBYTES - len(body))
-        return PREFIX.pack(MAGIC, VERSION, 0, self.header_nbytes, _checksum(body)) + body
+        return PREFIX.pack(MAGIC, VERSION, 0, self.header_nbytes, checksum(body)) + body
 
 
 def header_nbytes_for(num_layers: int, num_tokens: int, num_kv_heads: int, fingerprint_len: int,
@@ -199,7 +201,7 @@ def _decode_layer_bytes(h: SegmentHeader, i: int, data) -> memoryview:
             size = DTYPES[h.dtype].itemsize
             out = np.ascontiguousarray(np.frombuffer(out, np.uint8).reshape(size, -1).T).tobytes()
         data = memoryview(out)
-    if _checksum(data) != h.checksums[i]:
+    if checksum(data) != h.checksums[i]:
         raise SegmentError(f"layer {i}: checksum mismatch")
     return data
 
@@ -278,7 +280,7 @@ class KVSegment:
 
     def compute_checksums(self) -> list[int]:
         if self.checksums is None:
-            self.checksums = [_checksum(self._raw_layer(i)) for i in range(self.num_layers)]
+            self.checksums = [checksum(self._raw_layer(i)) for i in range(self.num_layers)]
         return self.checksums
 
     def _raw_layer(self, i: int) -> memoryview:
@@ -335,7 +337,7 @@ class KVSegment:
             raise SegmentError(f"payload is {len(raw)} bytes, the shape needs {h.payload_raw_nbytes}")
         if verify:
             for i in range(h.num_layers):
-                if _checksum(raw[i * n:(i + 1) * n]) != h.checksums[i]:
+                if checksum(raw[i * n:(i + 1) * n]) != h.checksums[i]:
                     raise SegmentError(f"layer {i}: checksum mismatch")
         payload = _frombuffer(raw, dt, 0, h.payload_raw_nbytes // dt.itemsize)
         return KVSegment(h.key, h.parent, h.tokens, h.fingerprint, h.num_layers, h.num_tokens, h.num_kv_heads,
@@ -355,5 +357,5 @@ class KVSegment:
             self.compute_checksums()
             return
         for i in range(self.num_layers):
-            if _checksum(self._raw_layer(i)) != self.checksums[i]:
+            if checksum(self._raw_layer(i)) != self.checksums[i]:
                 raise SegmentError(f"layer {i}: checksum mismatch")

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig
+from storage_backends.disk_tier import DiskTier, DiskTierConfig, _read_cached
 from storage_backends.gpu_tier import GpuTier, GpuTierConfig
 from storage_backends.segment import KVSegment, SegmentHeader, decode_layer
 
@@ -147,14 +147,19 @@ def test_cpu_allocator_invariants(ops, page):
     asyncio.run(run())
 
 
-async def test_cpu_corrupt_memory_is_a_miss():
-    tier = CpuTier(CpuTierConfig(capacity_bytes="64KiB", page_bytes=4096))
-    s = seg(3)
-    await tier.put(s.key, s)
-    entry = tier.index[("default", s.key)]
-    tier._buf[entry.pages[-1] * 4096 + 5] ^= 0xFF  # flip a payload byte in tier memory
-    assert await tier.get(s.key) is None
-    assert tier.stats().errors == 1 and not (await tier.contains([s.key]))[0]
+@pytest.mark.parametrize("out", [False, True])
+async def test_cpu_corrupt_memory_is_a_miss_with_verify_gets(out):
+    tier = CpuTier(CpuTierConfig(capacity_bytes="64KiB", page_bytes=4096, verify_gets=True))
+    for i in range(2):
+        s = seg(3 + i)
+        await tier.put(s.key, s)
+        entry = tier.index[("default", s.key)]
+        tier._buf[entry.pages[-1] * 4096 + 5] ^= 0xFF  # flip a payload byte in tier memory
+        if i == 0:
+            assert await tier.get(s.key, out=torch.empty_like(s.payload) if out else None) is None
+        else:
+            assert [c.layer async for c in tier.get_layers(s.key)] == [0]  # stops at the bad layer
+        assert tier.stats().errors == i + 1 and not (await tier.contains([s.key]))[0]
     tier.check_integrity()
 
 
@@ -231,6 +236,20 @@ async def test_disk_corrupt_byte_is_a_miss_and_file_is_gone(tmp_path):
     path.write_bytes(path.read_bytes()[:-10])  # truncated behind the tier's back
     assert [c async for c in tier.get_layers(s.key)][1:] == [] and not path.exists()
     tier.check_integrity()
+
+
+async def test_disk_cold_read_goes_through_aiofiles(tmp_path):
+    tier = DiskTier(DiskTierConfig(root=tmp_path, capacity_bytes="1MiB", fsync=True))
+    s = seg(6)
+    await tier.put(s.key, s)
+    path = tier.index[("default", s.key)].path
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced, so the kernel can drop it
+    os.close(fd)
+    h = tier.index[("default", s.key)].header
+    assert not _read_cached(path, [memoryview(bytearray(h.nbytes))], h.nbytes)  # not cached: would block
+    out = torch.empty_like(s.payload)
+    assert same(await tier.get(s.key, out=out), s) and torch.equal(out, s.payload)
 
 
 async def test_disk_write_failure_counts_and_returns_false(tmp_path):
