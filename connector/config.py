@@ -33,6 +33,7 @@ class ConnectorConfig:
     lookup_timeout_s: float = 2.0  # the scheduler-side Lookup; a timeout is a miss
     load_timeout_s: float = 10.0  # a step's loads; past it the tokens are recomputed
     max_pending_saves: int = 256  # staged chunks waiting for their put; beyond it saves are dropped
+    metrics_port: int = 0  # serve Prometheus metrics on 127.0.0.1:PORT; 0 = off
 
     def __post_init__(self) -> None:
         self.gpu_bytes, self.cpu_bytes = parse_size(self.gpu_bytes), parse_size(self.cpu_bytes)

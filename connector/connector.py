@@ -25,7 +25,9 @@ from connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePl
 from connector.transfer import Layout, LoadJob, run_load, run_saves
 from engine.kv_connector import KVConnector
 from kernels import FP8, gather_kv
+from storage_backends.base import Tier
 from storage_backends.keys import ChunkHasher, Salt
+from storage_backends.store import TieredStore
 from storage_backends.segment import VERSION
 
 log = logging.getLogger("tierkv.connector")
@@ -45,11 +47,12 @@ def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> s
 
 
 class TierKVConnector(KVConnector):
-    def __init__(self, config: ConnectorConfig | None = None) -> None:
+    def __init__(self, config: ConnectorConfig | None = None, tiers: list[Tier] | None = None) -> None:
+        """tiers, when given, replaces the tiers the config would build (fastest first)."""
         self.config = config or ConnectorConfig()
         self.stats = ConnectorStats()
         self.loop = LoopThread()
-        self.store = self.loop.run(self._build_store())
+        self.store = self.loop.run(self._build_store(tiers))
         self.ns = self.config.namespace
         self.states: dict[str, RequestState] = {}
         self.finished: dict[str, dict[str, Any]] = {}  # metrics of finished requests, read once
@@ -64,9 +67,12 @@ class TierKVConnector(KVConnector):
         self.hasher: ChunkHasher | None = None
         self.layout: Layout | None = None
         self.model_id: str | None = None
+        if self.config.metrics_port:
+            from connector.metrics import serve_metrics
+            serve_metrics(self, self.config.metrics_port)
 
-    async def _build_store(self):
-        return self.config.build_store()
+    async def _build_store(self, tiers: list[Tier] | None) -> TieredStore:
+        return TieredStore(tiers) if tiers else self.config.build_store()
 
     # -- binding to the engine -------------------------------------------------------------
     def bind_model(self, model: torch.nn.Module, model_config: Any, dtype: torch.dtype,

@@ -19,7 +19,7 @@ import torch
 from connector.plan import ConnectorStats, LoadPlan, SavePlan
 from kernels import scatter_kv
 from storage_backends.base import Tier
-from storage_backends.segment import KVSegment
+from storage_backends.segment import KVSegment, SegmentError
 
 log = logging.getLogger("tierkv.connector")
 
@@ -80,8 +80,15 @@ async def fetch(store: Tier, ns: str, plan: LoadPlan, layout: Layout, stats: Con
             why = "miss"
         else:
             why = check_segment(seg, plan, i, layout)
+            if why is None:
+                try:  # the tier checked too; this guards against a tier that did not
+                    seg.verify()
+                except SegmentError as e:
+                    why = str(e)
             if why is not None:
                 stats.load_rejected += 1
+            else:
+                stats.loaded_bytes += seg.payload.numel() * seg.payload.element_size()
         if why is not None:
             log.warning("load of request %s chunk %d rejected: %s; recomputing", plan.request_id,
                         plan.chunks[i].index, why)

@@ -223,3 +223,21 @@ def test_salts_other_model_dtype_or_namespace_never_hit(redis_proc) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_prometheus_metrics(cold) -> None:
+    import urllib.request
+
+    from tests.services import free_port
+
+    port = free_port()
+    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", metrics_port=port))
+    try:
+        run(conn, PROMPT)
+        run(conn, PROMPT)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert f"tierkv_connector_loaded_tokens_total {5 * CHUNK}.0" in text
+        assert "tierkv_connector_saved_chunks_total 5.0" in text
+        assert 'tierkv_tier_hits_total{tier="cpu"}' in text
+    finally:
+        conn.close()

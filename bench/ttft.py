@@ -1,0 +1,156 @@
+"""TTFT by where the KV comes from: cold prefill, the engine's own prefix cache, and connector
+hits from the cpu tier, the disk tier, tierkv-server over gRPC and Redis, at 1K-8K tokens;
+each as a ratio to cold and next to the floor (KV bytes at memcpy speed + a one-token forward).
+Also decode speed with the connector attached and saving, against no connector.
+
+    python -m bench.ttft [--quick]
+"""
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.common import goal, median_time, parser, print_table, write_results
+from connector import ConnectorConfig, TierKVConnector
+from engine import LLM, SamplingParams
+from engine.config import RANDOM_CONFIGS
+from storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from storage_backends.disk_tier import DiskTier, DiskTierConfig
+from storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tests.services import RedisProcess, ServerProcess
+
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+SOURCES = ["cold", "prefix", "cpu", "disk", "server", "redis"]
+
+
+def model_cfg(max_len: int) -> dict:
+    return dict(RANDOM_CONFIGS["bench"], max_position_embeddings=max_len + 512)
+
+
+def llm(cfg: dict, conn=None, prefix: bool = False, kv_bytes: int = 256 << 20) -> LLM:
+    return LLM(cfg, dtype="bfloat16", kv_cache_bytes=kv_bytes, enable_prefix_caching=prefix,
+               kv_connector=conn, max_num_batched_tokens=8192)
+
+
+def ttft(engine: LLM, prompt: list[int]) -> float:
+    return engine.generate([prompt], FIRST, use_tqdm=False)[0].metrics.ttft
+
+
+def memcpy_bw(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return nbytes / median_time(lambda: dst.copy_(src), repeat=7)
+
+
+def decode_speed(cfg: dict, conn, n: int, out_len: int) -> float:
+    """Output tokens/s of n requests of 512 prompt tokens decoding out_len tokens each."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, cfg["vocab_size"], (512,), generator=g).tolist() for _ in range(n)]
+    engine = llm(cfg, conn)
+    sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm up
+    outs = engine.generate(prompts, sp, use_tqdm=False)
+    return statistics.median((out_len - 1) / o.metrics.decode_time for o in outs)
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
+    reps = 3 if args.quick else 5
+    cfg = model_cfg(max(lengths))
+    tmp = Path(tempfile.mkdtemp(prefix="tierkv-bench-ttft-"))
+    redis = RedisProcess().start()
+    server = ServerProcess(args=["--cpu-bytes", "1GiB"]).start()
+    rows = []
+    try:
+        chunk, remote = 256, f"grpc://{server.target}"
+        # One writer whose put reaches every tier; one reader per source with only that tier.
+        writer = TierKVConnector(ConnectorConfig(chunk_size=chunk), tiers=[
+            CpuTier(CpuTierConfig(capacity_bytes="1GiB")),
+            DiskTier(DiskTierConfig(root=tmp / "disk", capacity_bytes="4GiB")),
+            ConnectorConfig(remote=remote).build_tiers()[-1],
+            RedisTier(RedisTierConfig(url=redis.url, timeout_s=10.0))])
+        readers = {"cpu": writer,
+                   "server": TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=remote)),
+                   "redis": TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=redis.url))}
+        engines = {"cold": llm(cfg), "prefix": llm(cfg, prefix=True), "writer": llm(cfg, writer)}
+        engines |= {k: llm(cfg, c) for k, c in readers.items() if k != "cpu"}
+        engines["cpu"] = llm(cfg, writer)
+        ttft(engines["cold"], list(range(64)))  # warm up
+        bar = tqdm(total=len(lengths) * len(SOURCES), desc="ttft")
+        bw = memcpy_bw(32 << 20)
+        for n in lengths:
+            prompt = torch.randint(0, cfg["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            times = {"cold": statistics.median(ttft(engines["cold"], prompt) for _ in range(max(2, reps - 2)))}
+            bar.update()
+            ttft(engines["writer"], prompt)
+            writer.flush()
+            # A disk tier indexes its files when it starts, as after a restart: a fresh reader.
+            if "disk" in readers:
+                readers.pop("disk").close()
+            readers["disk"] = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes=0,
+                                                              disk_dir=tmp / "disk", disk_bytes="4GiB"))
+            engines["disk"] = llm(cfg, readers["disk"])
+            ttft(engines["prefix"], prompt)
+            for src in SOURCES[1:]:
+                got = [engines[src].generate([prompt], FIRST, use_tqdm=False)[0].metrics for _ in range(reps)]
+                times[src] = statistics.median(m.ttft for m in got)
+                if src != "prefix":
+                    loaded = got[-1].external_tokens
+                    if loaded < n - chunk:
+                        raise RuntimeError(f"{src}: only {loaded} of {n} tokens loaded; the benchmark is broken")
+                bar.update()
+            kv_bytes = n * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * 64 * 2
+            floor = kv_bytes / bw + times["prefix"]
+            for src in SOURCES:
+                rows.append({"tokens": n, "source": src, "ttft_ms": times[src] * 1e3,
+                             "speedup_vs_cold": times["cold"] / times[src],
+                             "floor_ms": floor * 1e3, "x_floor": times[src] / floor})
+        bar.close()
+        base = decode_speed(cfg, None, 4, 64 if args.quick else 128)
+        attached = decode_speed(cfg, writer, 4, 64 if args.quick else 128)
+        for c in readers.values():
+            if c is not writer:
+                c.close()
+        writer.close()
+    finally:
+        server.stop(kill=True)
+        redis.stop(kill=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print_table(rows)
+    print(f"decode tok/s per request: no connector {base:.1f}, connector attached+saving {attached:.1f} "
+          f"({attached / base:.3f}x)")
+    top = max(lengths)
+    at = {r["source"]: r for r in rows if r["tokens"] == top}
+    goals = [goal(f"cpu tier TTFT speedup vs cold at {top}", at["cpu"]["speedup_vs_cold"], ">=", 50, "x"),
+             goal(f"disk tier TTFT speedup vs cold at {top}", at["disk"]["speedup_vs_cold"], ">=", 30, "x"),
+             goal(f"cache server TTFT speedup vs cold at {top}", at["server"]["speedup_vs_cold"], ">=", 30, "x"),
+             goal(f"redis TTFT speedup vs cold at {top}", at["redis"]["speedup_vs_cold"], ">=", 20, "x"),
+             goal(f"cpu tier TTFT / floor at {top}", at["cpu"]["x_floor"], "<=", 2.0, "x"),
+             goal("decode speed with connector / without", attached / base, ">=", 0.95, "x")]
+    rows.append({"tokens": 0, "source": "decode", "decode_tok_s_base": base, "decode_tok_s_connector": attached})
+
+    def plot(ax) -> None:
+        for src in SOURCES:
+            pts = [(r["tokens"], r["ttft_ms"]) for r in rows if r.get("source") == src]
+            ax.plot(*zip(*pts), marker="o", label=src)
+        fl = [(r["tokens"], r["floor_ms"]) for r in rows if r.get("source") == "cold"]
+        ax.plot(*zip(*fl), linestyle="--", color="gray", label="floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("TTFT (ms)")
+        ax.legend()
+
+    write_results("ttft", {"lengths": lengths, "reps": reps, "chunk_size": 256, "model": "bench bf16",
+                           "memcpy_GBps": bw / 1e9}, rows, goals, plot)
+
+
+if __name__ == "__main__":
+    main()
