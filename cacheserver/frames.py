@@ -12,7 +12,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 import torch
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from proto import tierkv_pb2 as pb
@@ -38,8 +38,26 @@ def too_big(message: str) -> BadRequest:
     return BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, message, "limit")
 
 
-def check_known(msg: Message) -> None:
-    """Refuse fields this server does not know (a newer or confused client)."""
+@dataclass(slots=True)
+class Corrupt:
+    """Stands in for a request that did not parse, so the handler can refuse it by name."""
+    kind: str
+
+
+def parser(cls: type[Message]):
+    """A deserializer that never raises: grpc would answer UNKNOWN, we answer INVALID_ARGUMENT."""
+    def parse(data: bytes) -> Message | Corrupt:
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            return Corrupt(cls.__name__)
+    return parse
+
+
+def check_known(msg: Message | Corrupt) -> None:
+    """Refuse unparsable messages and fields this server does not know (a newer or confused client)."""
+    if isinstance(msg, Corrupt):
+        raise invalid(f"not a valid {msg.kind} message")
     if len(UnknownFieldSet(msg)):
         raise invalid(f"{type(msg).__name__} carries unknown fields")
     if isinstance(msg, pb.PutFrame) and msg.HasField("header") and len(UnknownFieldSet(msg.header)):

@@ -21,10 +21,13 @@ from grpc_reflection.v1alpha import reflection
 
 from cacheserver.auth import Auth
 from cacheserver.config import ServerConfig
-from cacheserver.frames import BadRequest, PutLimits, check_keys, check_known, cut, receive_put, too_big
+from cacheserver.frames import (BadRequest, PutLimits, check_keys, check_known, cut, parser, receive_put,
+                                too_big)
 from cacheserver.metrics import Metrics
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
+from storage_backends.base import LayerChunk
+from storage_backends.segment import KVSegment
 from storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.server")
@@ -109,11 +112,22 @@ class Servicer(pb_grpc.TierKVServicer):
             self.metrics.wire_bytes.labels("in").inc(seg.nbytes)
             return pb.PutResponse(stored=bool(stored))
 
+    async def _layers(self, key: bytes, ns: str) -> tuple[str, AsyncIterator[LayerChunk]]:
+        """The tier holding key and its layers: streamed from the fastest tier, or read
+        whole (and so promoted) from a slower one."""
+        [at] = await self.store.locate([key], ns)
+        if at is None:
+            return "", _none()
+        if at == 0:
+            return self.store.tiers[0].name, self.store.get_layers(key, ns)
+        seg = await self.store.get(key, ns)
+        return self.store.tiers[at].name, _from_segment(seg)
+
     async def _frames(self, index: int, key: bytes, ns: str) -> AsyncIterator[pb.SegmentFrame]:
-        where = (await self._where([key], ns))[0]
+        where, chunks = await self._layers(key, ns)
         c, frame, sent, layers = self._ns(ns), self.config.max_frame_bytes, 0, -1
         c.gets += 1
-        async for chunk in self.store.get_layers(key, ns):
+        async for chunk in chunks:
             h = chunk.header
             if chunk.layer == 0:
                 head = h.encode()
@@ -129,7 +143,7 @@ class Servicer(pb_grpc.TierKVServicer):
             c.misses += 1
             yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.MISS)
             return
-        c.hits[where or "?"] = c.hits.get(where or "?", 0) + 1
+        c.hits[where] = c.hits.get(where, 0) + 1
         c.bytes_out += sent
         self.metrics.wire_bytes.labels("out").inc(sent)
 
@@ -168,11 +182,38 @@ class Servicer(pb_grpc.TierKVServicer):
                                     bytes_in=c.bytes_in, bytes_out=c.bytes_out)
 
 
+async def _none() -> AsyncIterator[LayerChunk]:
+    return
+    yield
+
+
+async def _from_segment(seg: KVSegment | None) -> AsyncIterator[LayerChunk]:
+    if seg is None:
+        return
+    h, _, blobs = seg.encode_parts()
+    for i, b in enumerate(blobs):
+        yield LayerChunk(h, i, memoryview(b).cast("B"))
+
+
+def add_servicer(servicer: Servicer, server: grpc.aio.Server) -> None:
+    """Register the TierKV methods, like the generated helper, but with parsers that never raise."""
+    svc = pb.DESCRIPTOR.services_by_name["TierKV"]
+    makers = {(False, False): grpc.unary_unary_rpc_method_handler,
+              (True, False): grpc.stream_unary_rpc_method_handler,
+              (False, True): grpc.unary_stream_rpc_method_handler}
+    handlers = {m.name: makers[(m.client_streaming, m.server_streaming)](
+        getattr(servicer, m.name), request_deserializer=parser(getattr(pb, m.input_type.name)),
+        response_serializer=getattr(pb, m.output_type.name).SerializeToString) for m in svc.methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(svc.full_name, handlers),))
+
+
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Messages are frames (<= max_frame_bytes) or key lists; allow those with headroom, no more."""
     limit = max(config.max_frame_bytes, config.max_keys * 20) + 64 * 1024
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.max_concurrent_streams", config.max_streams)]
+            # HTTP/2 would queue streams over its limit silently; leave room so max_streams
+            # refuses them with a message instead (unary calls count as HTTP/2 streams too).
+            ("grpc.max_concurrent_streams", config.max_streams + 32)]
 
 
 @dataclass(slots=True)
@@ -189,7 +230,7 @@ class Server:
     async def start(config: ServerConfig, store: TieredStore, metrics: Metrics | None = None) -> "Server":
         metrics = metrics or Metrics()
         srv = grpc.aio.server(options=grpc_options(config))
-        pb_grpc.add_TierKVServicer_to_server(Servicer(store, config, metrics), srv)
+        add_servicer(Servicer(store, config, metrics), srv)
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, srv)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), srv)
@@ -213,4 +254,7 @@ class Server:
     async def stop(self) -> None:
         self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.grace_s)
-        await self.store.close()
+        try:  # flush the write-behind queue, but never hang the shutdown on a stuck tier
+            await asyncio.wait_for(self.store.close(), max(self.config.grace_s, 1.0))
+        except asyncio.TimeoutError:
+            log.error("store did not close within %.0fs; queued background writes are lost", self.config.grace_s)

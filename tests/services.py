@@ -128,3 +128,56 @@ class RedisCluster:
         for node in self.nodes:
             node.stop(kill=True)
         self.nodes.clear()
+
+
+@dataclass
+class ServerProcess:
+    """A `python -m cacheserver` subprocess on a free port; restartable with the same cache dir."""
+
+    args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    cache_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="tierkv-server-")))
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerProcess":
+        import os
+        import sys
+
+        cmd = [sys.executable, "-m", "cacheserver", "--port", str(self.port), "--cache-dir",
+               str(self.cache_dir), "--cpu-bytes", "64MiB", "--disk-bytes", "256MiB", *self.args]
+        env = {**os.environ, **self.env}
+        # Output goes to a file: a pipe nobody reads would block the server once full.
+        with open(self.log, "a") as out:
+            self.proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parent.parent,
+                                         stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while "listening" not in self.log.read_text().split("tierkv-server stopped")[-1]:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc = None
+                raise RuntimeError(f"tierkv-server did not start:\n{self.log.read_text()}")
+            time.sleep(0.05)
+        wait_port(self.port, timeout)
+        return self
+
+    @property
+    def log(self) -> Path:
+        return self.cache_dir / "server.log"
+
+    def stop(self, kill: bool = False, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful) or SIGKILL; returns the exit code."""
+        if self.proc is None:
+            return 0
+        self.proc.kill() if kill else self.proc.terminate()
+        rc = self.proc.wait(timeout)
+        self.proc = None
+        return rc
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
