@@ -43,63 +43,69 @@ def uncache(path: Path) -> None:
     os.close(fd)
 
 
-async def timed(fn, repeat: int, setup=None) -> float:
-    """Median seconds of `await fn(i)` over repeat runs (after one warmup), timed inside the loop;
-    setup() runs untimed before each."""
-    await fn(-1)
-    times = []
+async def paired(fa, fb, repeat: int, setup=None) -> tuple[float, float]:
+    """Median seconds of `await fa(i)` and of `await fb(i)`, run alternately (after a warmup) so
+    that both see the same moments of this shared, noisy machine; setup() runs untimed before each."""
+    await fa(-1)
+    await fb(-1)
+    ta: list[float] = []
+    tb: list[float] = []
     for i in range(repeat):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        await fn(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for f, ts in ((fa, ta), (fb, tb)):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            await f(i)
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 async def throughput(size: int, repeat: int, root: Path) -> list[dict]:
     src = torch.randn(size // 2, generator=torch.Generator().manual_seed(size)).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    rows = []
-
-    def row(name: str, op: str, seconds: float) -> None:
-        rows.append({"tier": name, "op": op, "size_mib": size // MiB, "ms": seconds * 1e3,
-                     "gbps": size / seconds / 1e9})
-
     src_mv, dst_mv = memoryview(src.view(torch.uint8).numpy()), memoryview(dst.view(torch.uint8).numpy())
+    plain = root / f"plain-{size}.bin"
+    rows = []
 
     async def memcpy(_):
         dst_mv[:] = src_mv
-    row("baseline", "memcpy", await timed(memcpy, repeat))
-    path = root / f"plain-{size}.bin"
-    with open(path, "wb") as f:
-        f.write(src_mv)
-        os.fsync(f.fileno())
+
+    async def file_write(_):
+        with open(plain, "wb") as f:
+            f.write(src_mv)
+            os.fsync(f.fileno())
 
     async def file_read(_):
-        with open(path, "rb") as f:
+        with open(plain, "rb") as f:
             f.readinto(dst_mv)
-    row("baseline", "file read", await timed(file_read, repeat))
-    row("baseline", "file read cold", await timed(file_read, repeat, lambda: uncache(path)))
 
     # capacity for 2 segments and a bit: puts evict in steady state, as in service
     tiers = [GpuTier(GpuTierConfig(capacity_bytes=3 * size)),
              CpuTier(CpuTierConfig(capacity_bytes=3 * size)),
+             CpuTier(CpuTierConfig(capacity_bytes=3 * size, verify_gets=True)),
              DiskTier(DiskTierConfig(root=root / f"disk-{size}", capacity_bytes=3 * size))]
     segs = [segment(src, i + 1) for i in range(-1, repeat)]
+    await file_write(0)
     for tier in tiers:
+        name = tier.name + (" verified" if getattr(tier.config, "verify_gets", False) else "")
+        on_disk = isinstance(tier, DiskTier)
+
         async def put(i):
             assert await tier.put(segs[i + 1].key, segs[i + 1])
-        row(tier.name, "put", await timed(put, repeat))
 
         async def get(i):
-            got = await tier.get(segs[-1].key, out=dst)
-            assert got is not None
-        row(tier.name, "get", await timed(get, repeat))
-        assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
-        if isinstance(tier, DiskTier):
-            file = tier.index[("default", segs[-1].key)].path
-            row(tier.name, "get cold", await timed(get, repeat, lambda: uncache(file)))
+            assert await tier.get(segs[-1].key, out=dst) is not None
+        cases = [("put", put, file_write if on_disk else memcpy, "file write+fsync" if on_disk else "memcpy", None),
+                 ("get", get, file_read if on_disk else memcpy, "file read" if on_disk else "memcpy", None)]
+        if on_disk:
+            file = root / f"disk-{size}" / "default" / f"{segs[-1].key.hex()}.tkv"
+            cases.append(("get cold", get, file_read, "file read cold", lambda: (uncache(file), uncache(plain))))
+        for op, fn, base_fn, base, setup in cases:
+            t, tb = await paired(fn, base_fn, repeat, setup)
+            rows.append({"tier": name, "op": op, "size_mib": size // MiB, "ms": t * 1e3, "gbps": size / t / 1e9,
+                         "baseline": base, "baseline_gbps": size / tb / 1e9, "vs_baseline": tb / t})
+            if op.startswith("get"):
+                assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
         await tier.close()
     return rows
 
@@ -123,7 +129,7 @@ async def memory(capacity: int, num_puts: int) -> dict:
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    repeat = 5 if args.quick else 15
+    repeat = 9 if args.quick else 25
     sizes = [1 * MiB, 4 * MiB, 32 * MiB]
     capacity, num_puts = (64 * MiB, 200) if args.quick else (256 * MiB, 1000)
     rows: list[dict] = []
@@ -135,18 +141,14 @@ def main() -> None:
         return await memory(capacity, num_puts)
     mem = asyncio.run(run())
 
-    def bw(tier: str, op: str, size: int) -> float:
-        return next(r["gbps"] for r in rows if (r["tier"], r["op"], r["size_mib"]) == (tier, op, size // MiB))
-    for r in rows:
-        base = "memcpy" if r["tier"] != "disk" else "file read cold" if "cold" in r["op"] else "file read"
-        r["vs_baseline"] = r["gbps"] / bw("baseline", base, r["size_mib"] * MiB)
-    print_table(rows, ["tier", "op", "size_mib", "ms", "gbps", "vs_baseline"])
+    def ratio(tier: str, op: str, size: int) -> float:
+        return next(r["vs_baseline"] for r in rows if (r["tier"], r["op"], r["size_mib"]) == (tier, op, size // MiB))
+    print_table(rows, ["tier", "op", "size_mib", "ms", "gbps", "baseline", "baseline_gbps", "vs_baseline"])
     print_table([mem])
-    goals = [goal(f"cpu get {s // MiB} MiB / memcpy", bw("cpu", "get", s) / bw("baseline", "memcpy", s), ">=", 0.5)
-             for s in sizes[1:]]
-    for cold in ("", " cold"):
-        goals += [goal(f"disk get{cold} {s // MiB} MiB / file read{cold}",
-                       bw("disk", "get" + cold, s) / bw("baseline", "file read" + cold, s), ">=", 0.5) for s in sizes]
+    goals = [goal(f"cpu get {s // MiB} MiB / memcpy", ratio("cpu", "get", s), ">=", 0.5) for s in sizes[1:]]
+    for op in ("get", "get cold"):
+        goals += [goal(f"disk {op} {s // MiB} MiB / file read{op[3:]}", ratio("disk", op, s), ">=", 0.5)
+                  for s in sizes]
     overhead = 16  # MiB: interpreter, allocator slack and one segment's header, beyond the buffer
     goals.append(goal("cpu tier used bytes", mem["max_used_mib"], "<=", mem["capacity_mib"], "MiB"))
     goals.append(goal("cpu tier RSS growth", mem["max_rss_growth_mib"], "<=", mem["capacity_mib"] + overhead, "MiB"))
@@ -154,10 +156,11 @@ def main() -> None:
     def plot(ax) -> None:
         labels = [f"{r['tier']} {r['op']}" for r in rows if r["size_mib"] == 1]
         for k, s in enumerate(sizes):
-            vals = [r["gbps"] for r in rows if r["size_mib"] == s // MiB]
+            vals = [r["vs_baseline"] for r in rows if r["size_mib"] == s // MiB]
             ax.bar(np.arange(len(vals)) + k * 0.27, vals, width=0.27, label=f"{s // MiB} MiB")
+        ax.axhline(0.5, color="k", lw=0.8, ls="--")
         ax.set_xticks(np.arange(len(labels)) + 0.27, labels, rotation=30, ha="right")
-        ax.set_ylabel("GB/s")
+        ax.set_ylabel("throughput / baseline of the same run (memcpy, file write, file read)")
         ax.legend()
     write_results("tiers", {"sizes_mib": [s // MiB for s in sizes], "repeat": repeat, "shape": [L, 2, "T", H, D],
                             "dtype": "bfloat16", "memory": mem}, rows, goals, plot)

@@ -106,15 +106,24 @@ class DiskTier(Tier):
         h = entry.header
         dst = out_view(out, h.payload_raw_nbytes) if out is not None and h.codec == "none" else None
         head = memoryview(bytearray(h.header_nbytes if dst is not None else h.nbytes))
-        bufs = [head, dst] if dst is not None else [head]  # the payload straight into the caller's buffer
+        spans = [(0, head)]
+        if dst is not None:  # the payload straight into the caller's buffer, layer by layer
+            spans += [(off, dst[off - h.header_nbytes:off - h.header_nbytes + n]) for off, n in h.layers]
+
+        def check(j: int) -> None:  # each layer while it is still in cache
+            if j and checksum(spans[j][1]) != h.checksums[j - 1]:
+                raise SegmentError(f"layer {j - 1}: checksum mismatch")
         try:
             with self.lease(key, ns):
-                if not _read_cached(entry.path, bufs, h.nbytes):
-                    await _read_aio(entry.path, bufs, h.nbytes)
+                verified = _read_cached(entry.path, spans, h.nbytes, check if dst is not None else None)
+                if not verified:
+                    await _read_aio(entry.path, spans, h.nbytes)
             _same(entry, head[:h.header_nbytes])
-            seg = KVSegment.from_raw(h, dst) if dst is not None else KVSegment.from_parts(h, head)
-            if out is not None and dst is None:
-                seg = copy_into(seg, h, out)
+            if dst is not None:
+                seg = KVSegment.from_raw(h, dst, verify=not verified)
+            else:
+                seg = KVSegment.from_parts(h, head)
+                seg = copy_into(seg, h, out) if out is not None else seg
         except (OSError, SegmentError):
             self._fault(ns, key)
             return None
@@ -295,28 +304,35 @@ def _read_header(path: Path) -> tuple[SegmentHeader, bytes] | None:
         return None
 
 
-def _read_cached(path: Path, bufs: list[memoryview], nbytes: int) -> bool:
-    """Fill bufs from the page cache without blocking (RWF_NOWAIT), or return False so the
-    caller reads on a worker thread: a cached read costs less than one thread hop."""
+def _read_cached(path: Path, spans: list[tuple[int, memoryview]], nbytes: int, check=None) -> bool:
+    """Fill each (offset, buffer) span from the page cache without blocking (RWF_NOWAIT),
+    calling check(j) after span j; False when some of it is not cached, so the caller reads
+    on a worker thread instead: a cached read costs less than one thread hop."""
     if not hasattr(os, "RWF_NOWAIT"):
         return False
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if os.fstat(fd).st_size != nbytes:
             raise SegmentError("file length does not match its header")
-        return os.preadv(fd, bufs, 0, os.RWF_NOWAIT) == nbytes
+        for j, (off, buf) in enumerate(spans):
+            if os.preadv(fd, [buf], off, os.RWF_NOWAIT) != len(buf):
+                return False
+            if check is not None:
+                check(j)
+        return True
     except BlockingIOError:
         return False
     finally:
         os.close(fd)
 
 
-async def _read_aio(path: Path, bufs: list[memoryview], nbytes: int) -> None:
+async def _read_aio(path: Path, spans: list[tuple[int, memoryview]], nbytes: int) -> None:
     async with aiofiles.open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size != nbytes:
             raise SegmentError("file length does not match its header")
-        for b in bufs:
-            if await f.readinto(b) != len(b):
+        for off, buf in spans:
+            await f.seek(off)
+            if await f.readinto(buf) != len(buf):
                 raise SegmentError("file shorter than its header says")
 
 

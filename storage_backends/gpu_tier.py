@@ -11,7 +11,7 @@ import torch
 
 from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Lease, Leases, Tier, TierStats,
                                    check_key, check_namespace, parse_size)
-from storage_backends.buffers import with_payload, copy_into
+from storage_backends.buffers import clone_to, copy_into, with_payload
 from storage_backends.segment import KVSegment, SegmentError
 
 
@@ -89,7 +89,7 @@ class GpuTier(Tier):
         if n > self.config.capacity_bytes or not self._make_room(n):
             return False
         try:
-            payload = segment.payload.to(self.device, copy=True).contiguous()
+            payload = clone_to(segment.payload, self.device)
         except (RuntimeError, MemoryError):  # out of device memory is a refused put, not a crash
             self._stats.errors += 1
             return False

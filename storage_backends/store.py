@@ -9,7 +9,7 @@ from typing import AsyncIterator, Sequence
 
 from storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Tier, TierStats, check_key,
                                    check_namespace)
-from storage_backends.buffers import copy_into, with_payload
+from storage_backends.buffers import clone_to, copy_into, with_payload
 from storage_backends.segment import KVSegment
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class TieredStore(Tier):
         if len(self.tiers) > 1:
             # The queued job must not see later writes to the caller's tensor: read it back from
             # tiers[0], or, when tiers[0] refused it, queue a private copy.
-            src = None if ok else with_payload(segment, segment.payload.clone())
+            src = None if ok else with_payload(segment, clone_to(segment.payload, segment.payload.device))
             ok = self._enqueue(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
         return ok
 

@@ -218,7 +218,8 @@ async def test_disk_restart_recovery(tmp_path):
     assert small.count("tenant") == 2 and small.used_bytes <= small.config.capacity_bytes
 
 
-async def test_disk_corrupt_byte_is_a_miss_and_file_is_gone(tmp_path):
+@pytest.mark.parametrize("out", [False, True])
+async def test_disk_corrupt_byte_is_a_miss_and_file_is_gone(tmp_path, out):
     tier = DiskTier(DiskTierConfig(root=tmp_path, capacity_bytes="1MiB", fsync=False))
     for i, codec in enumerate(["none", "lz4"]):
         s = seg(i, codec=codec)
@@ -227,7 +228,7 @@ async def test_disk_corrupt_byte_is_a_miss_and_file_is_gone(tmp_path):
         raw = bytearray(path.read_bytes())
         raw[SegmentHeader.decode(raw).layers[1][0] + 3] ^= 0x01
         path.write_bytes(raw)
-        assert await tier.get(s.key) is None
+        assert await tier.get(s.key, out=torch.empty_like(s.payload) if out else None) is None
         assert not path.exists() and not (await tier.contains([s.key]))[0]
         assert tier.stats().errors == i + 1
     s = seg(5)
@@ -247,7 +248,7 @@ async def test_disk_cold_read_goes_through_aiofiles(tmp_path):
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced, so the kernel can drop it
     os.close(fd)
     h = tier.index[("default", s.key)].header
-    assert not _read_cached(path, [memoryview(bytearray(h.nbytes))], h.nbytes)  # not cached: would block
+    assert not _read_cached(path, [(0, memoryview(bytearray(h.nbytes)))], h.nbytes)  # not cached: would block
     out = torch.empty_like(s.payload)
     assert same(await tier.get(s.key, out=out), s) and torch.equal(out, s.payload)
 
