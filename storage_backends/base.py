@@ -216,5 +216,6 @@ class Tier(abc.ABC):
 
 def check_key(key: bytes) -> bytes:
     if not isinstance(key, bytes) or len(key) != 16:
-        raise ValueError(f"a key is 16 bytes, got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}")
+        n = len(key) if hasattr(key, "__len__") else "?"
+        raise ValueError(f"a key is 16 bytes, got {type(key).__name__} of length {n}")
     return key

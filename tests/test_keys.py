@@ -32,7 +32,8 @@ def test_chain_definition():
 def test_inputs_agree_and_prefixes_share_keys(tokens):
     h = ChunkHasher(SALT)
     keys = h.prefix_keys(tokens)
-    assert keys == h.prefix_keys(np.array(tokens, dtype=np.int64)) == h.prefix_keys(torch.tensor(tokens, dtype=torch.long))
+    assert keys == h.prefix_keys(np.array(tokens, dtype=np.int64))
+    assert keys == h.prefix_keys(torch.tensor(tokens, dtype=torch.long))
     assert len(keys) == len(tokens) // 4 and all(len(k) == 16 for k in keys)
     # a longer prompt with the same start shares the leading keys; a changed token changes all after it
     assert h.prefix_keys(tokens + [1, 2, 3, 4])[:len(keys)] == keys
