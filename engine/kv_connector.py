@@ -49,6 +49,11 @@ class KVConnector(ABC):
         """True: keep block_ids until get_finished() reports request.request_id saved."""
 
     # worker side
+    def bind_model(self, model: torch.nn.Module, model_config: Any, dtype: torch.dtype,
+                   kv_scales: torch.Tensor | None = None) -> None:
+        """Once at start, before register_kv_caches: the model (its weights identify its KV),
+        its config and dtype, and the fp8 cache scales [L, 2, Hkv] (None without fp8)."""
+
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Once at start: per layer [2, num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -21,6 +21,18 @@ from engine.sequence import Sequence
 
 
 @dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0  # computed through the model
+    kv_slots: int = 0  # allocated KV slots, summed over steps
+    kv_slots_empty: int = 0  # of those, slots holding no token
+
+    @property
+    def kv_unused_share(self) -> float:
+        return self.kv_slots_empty / self.kv_slots if self.kv_slots else 0.0
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     ttft: float  # seconds from arrival to the first token
     decode_time: float  # seconds from the first token to the last
@@ -80,6 +92,7 @@ class LLM:
         self._rng = torch.Generator().manual_seed(seed)
         self._next_id = 0
         self._groups: dict[int, list[Sequence]] = {}
+        self.stats = EngineStats()
 
     def _new_seq(self, group: int, rid: str, tokens: list[int], prompt_len: int, params: SamplingParams,
                  index: int) -> Sequence:
@@ -137,6 +150,9 @@ class LLM:
             s.metrics.finish_time = now
             s.metrics.connector = self.connector.request_metrics(s.request_id)
         self.scheduler.release_saved(saved)
+        used, empty = self.scheduler.kv_slots()
+        st = self.stats
+        st.steps, st.tokens, st.kv_slots, st.kv_slots_empty = st.steps + 1, st.tokens + out.num_tokens, st.kv_slots + used, st.kv_slots_empty + empty
         return out.num_tokens
 
     def _drain_saves(self, timeout: float = 60.0) -> None:

@@ -13,27 +13,48 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_connector import KVConnector
 from engine.model import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
-from kernels import fp8_scales, paged_attention, write_kv
+import torch.nn.functional as F
+
+from kernels import fp8_scales, paged_attention, use_triton, write_kv
 
 FP8 = torch.float8_e4m3fn
 FP8_HEADROOM = 2.0  # scales from the first batch's amax, doubled so later tokens rarely saturate
 
 
+def bucket(n: int) -> int:
+    """Row count a step is padded to: CPU matmul libraries build a kernel per new shape, so a
+    few dozen shapes beat a new one every step (the padding rows are a few percent)."""
+    step = 8 if n <= 64 else 64 if n <= 1024 else 256
+    return -(-n // step) * step
+
+
 @dataclass(slots=True)
-class Context:
-    """Attention metadata of one step (flattened tokens of all scheduled sequences)."""
-    input_ids: torch.Tensor  # int64 [N]
-    positions: torch.Tensor  # int64 [N] absolute positions
-    q_positions: torch.Tensor  # int32 [N], the same for the kernels
-    slot_mapping: torch.Tensor  # int64 [N] cache slot of each new token
+class PagedBatch:
+    """The sequences that attend through the paged cache (decodes, chunks over a cached prefix)."""
+    rows: torch.Tensor | None  # int64 query rows of these sequences; None = all real rows
     block_tables: torch.Tensor  # int32 [B, max_blocks], -1 padded
     seq_lens: torch.Tensor  # int32 [B] keys in cache after this step's write
     cu_seqlens_q: torch.Tensor  # int32 [B+1]
-    logits_indices: torch.Tensor  # int64 [S] rows whose logits are sampled
-    seq_ids: list[int]  # seq_id of each of the B sequences
-    block_ids: list[list[int]]  # block table of each sequence (valid during this step only)
+    q_positions: torch.Tensor  # int32 [Nq] absolute positions
     max_seqlen_q: int
     max_seqlen_k: int
+
+
+@dataclass(slots=True)
+class Context:
+    """Attention metadata of one step: the scheduled sequences' new tokens, flattened and
+    padded to bucket(num_tokens) rows (padding rows write no KV and attend to nothing)."""
+    input_ids: torch.Tensor  # int64 [N]
+    positions: torch.Tensor  # int64 [N] absolute positions
+    slot_mapping: torch.Tensor  # int64 [N] cache slot of each new token, -1 for padding
+    num_tokens: int  # real rows
+    logits_indices: torch.Tensor  # int64 rows whose logits are sampled (padded to a bucket)
+    num_sampled: int
+    all: PagedBatch  # every sequence (what the connector and the Triton path see)
+    paged: PagedBatch | None  # the sequences not in `fresh`; None when there are none
+    fresh: list[tuple[int, int]]  # row ranges of whole prompts with no cached prefix (causal SDPA)
+    seq_ids: list[int]  # seq_id of each sequence
+    block_ids: list[list[int]]  # block table of each sequence (valid during this step only)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -58,51 +79,82 @@ class ModelRunner:
         self.calibrated = self.kv_dtype != FP8
         self.scale = cfg.head_dim ** -0.5
         self.ctx: Context | None = None
+        connector.bind_model(model, cfg, dtype, self.kv_scales if self.kv_dtype == FP8 else None)
+        # kv_scales is filled in place on the first forward, so the connector sees the final scales.
+        connector.bind_model(model, cfg, dtype, self.kv_scales if self.kv_dtype == FP8 else None)
         connector.register_kv_caches(self.kv_caches)
 
     def prepare(self, out: SchedulerOutput) -> Context:
-        bs, ids, pos, counts, starts = self.config.block_size, [], [], [], []
+        bs, ids, counts, starts = self.config.block_size, [], [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             counts.append(n)
             starts.append(start)
-        dev = self.device
-        b = len(out.seqs)
+        b, n, dev = len(out.seqs), len(ids), self.device
         width = max(len(s.block_table) for s in out.seqs)
         tables = torch.full((b, width), -1, dtype=torch.int32)
         for i, s in enumerate(out.seqs):
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        count_t = torch.tensor(counts, dtype=torch.int64)
-        start_t = torch.tensor(starts, dtype=torch.int64)
+        count_t, start_t = torch.tensor(counts), torch.tensor(starts)
         cu = torch.zeros(b + 1, dtype=torch.int64)
         cu[1:] = count_t.cumsum(0)
         row = torch.repeat_interleave(torch.arange(b), count_t)
-        positions = start_t[row] + torch.arange(int(cu[-1])) - cu[:-1][row]
+        positions = start_t[row] + torch.arange(n) - cu[:-1][row]
         slots = tables[row, positions // bs].long() * bs + positions % bs
-        sampled = torch.tensor(out.samples(), dtype=torch.bool)
+        pad = bucket(n) - n
+        sampled = (cu[1:] - 1)[torch.tensor(out.samples(), dtype=torch.bool)]
+        lens = start_t + count_t
+        full = PagedBatch(None, tables.to(dev), lens.to(torch.int32).to(dev), cu.to(torch.int32).to(dev),
+                          positions.to(torch.int32).to(dev), max(counts), int(lens.max()))
+        # Whole prompts with nothing cached attend only to themselves: causal SDPA, no gather.
+        # The Triton path (CUDA, or the interpreter in tests) runs everything through the kernel.
+        is_fresh = (start_t == 0) & (count_t > 1) & torch.tensor(not use_triton(torch.empty(0, device=dev)))
+        fresh = [(int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()]
+        paged = full if not fresh else None
+        if fresh and not bool(is_fresh.all()):
+            keep = ~is_fresh
+            kc = count_t[keep]
+            kcu = torch.zeros(int(keep.sum()) + 1, dtype=torch.int64)
+            kcu[1:] = kc.cumsum(0)
+            rows = torch.nonzero(keep[row]).flatten()
+            paged = PagedBatch(rows.to(dev), tables[keep].to(dev), lens[keep].to(torch.int32).to(dev),
+                               kcu.to(torch.int32).to(dev), positions[rows].to(torch.int32).to(dev),
+                               int(kc.max()), int(lens[keep].max()))
         self.ctx = Context(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev), positions=positions.to(dev),
-            q_positions=positions.to(torch.int32).to(dev),
-            slot_mapping=slots.to(dev), block_tables=tables.to(dev),
-            seq_lens=(start_t + count_t).to(torch.int32).to(dev), cu_seqlens_q=cu.to(torch.int32).to(dev),
-            logits_indices=(cu[1:] - 1)[sampled].to(dev),
-            seq_ids=[s.seq_id for s in out.seqs], block_ids=[list(s.block_table) for s in out.seqs],
-            max_seqlen_q=max(counts), max_seqlen_k=max(a + c for a, c in zip(starts, counts)))
+            input_ids=F.pad(torch.tensor(ids), (0, pad)).to(dev), positions=F.pad(positions, (0, pad)).to(dev),
+            slot_mapping=F.pad(slots, (0, pad), value=-1).to(dev), num_tokens=n,
+            logits_indices=F.pad(sampled, (0, bucket(len(sampled)) - len(sampled))).to(dev),
+            num_sampled=len(sampled), all=full, paged=paged, fresh=fresh,
+            seq_ids=[s.seq_id for s in out.seqs], block_ids=[list(s.block_table) for s in out.seqs])
         return self.ctx
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx, cache = self.ctx, self.kv_caches[layer]
+        n = ctx.num_tokens
         if not self.calibrated:
-            self.kv_scales[layer, 0] = fp8_scales(k) * FP8_HEADROOM
-            self.kv_scales[layer, 1] = fp8_scales(v) * FP8_HEADROOM
+            self.kv_scales[layer, 0] = fp8_scales(k[:n]) * FP8_HEADROOM
+            self.kv_scales[layer, 1] = fp8_scales(v[:n]) * FP8_HEADROOM
         ks, vs = (self.kv_scales[layer, 0], self.kv_scales[layer, 1]) if self.kv_dtype == FP8 else (None, None)
         self.connector.wait_for_layer_load(layer)
         write_kv(k, v, cache[0], cache[1], ctx.slot_mapping, ks, vs)
         self.connector.save_kv_layer(layer, cache, ctx)
-        return paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
-                               ctx.q_positions, self.scale, ks, vs,
-                               max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k)
+        out = torch.zeros_like(q)
+        for s, e in ctx.fresh:
+            out[s:e] = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=True).transpose(0, 1)
+        p = ctx.paged
+        if p is not None:
+            qp = q[:n] if p.rows is None else q[p.rows]
+            o = paged_attention(qp, cache[0], cache[1], p.block_tables, p.seq_lens, p.cu_seqlens_q,
+                                p.q_positions, self.scale, ks, vs, max_seqlen_q=p.max_seqlen_q,
+                                max_seqlen_k=p.max_seqlen_k)
+            if p.rows is None:
+                out[:n] = o
+            else:
+                out[p.rows] = o
+        return out
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
@@ -121,4 +173,4 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward the step; fp32 logits [S, vocab] of the sequences that sample, in order."""
         h = self.forward(out)
-        return self.model.logits(h[self.ctx.logits_indices])
+        return self.model.logits(h[self.ctx.logits_indices])[:self.ctx.num_sampled]

@@ -166,6 +166,13 @@ class Scheduler:
             if seq is not None:
                 self.blocks.free_seq(seq)
 
+    def kv_slots(self) -> tuple[int, int]:
+        """(allocated KV slots, slots holding no token): blocks in use * block_size, and the
+        unfilled tails of the running sequences' blocks."""
+        used = (self.blocks.num_blocks - len(self.blocks.free)) * self.blocks.block_size
+        empty = sum(len(s.block_table) * self.blocks.block_size - s.num_computed_tokens for s in self.running)
+        return used, empty
+
     def check_integrity(self) -> None:
         live = self.running + list(self.held.values()) + [s for s in self.waiting if s.block_table]
         self.blocks.check_integrity(live)

@@ -1,0 +1,152 @@
+"""Engine benchmark: (a) offline throughput and single-request decode latency vs HF
+transformers `generate` (padded batches of 32) on the same weights; (b) a shared 1K-token
+system prompt with prefix caching on vs off; (c) allocated KV slots holding no token.
+
+python -m bench.engine [--quick]
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+from bench.common import goal, parser, print_table, write_results
+from engine import LLM, SamplingParams
+from engine.config import RANDOM_CONFIGS
+
+FULL = dict(requests=64, prompt=(128, 1024), output=(32, 256), hf_batch=32, shared_requests=32,
+            system=1024, user=(32, 128), shared_output=32, latency_prompt=256, latency_output=64)
+QUICK = dict(requests=12, prompt=(64, 256), output=(16, 48), hf_batch=6, shared_requests=8,
+             system=512, user=(16, 64), shared_output=16, latency_prompt=128, latency_output=24)
+
+
+def bench_checkpoint(path: str):
+    """The bench model of DESIGN.md (random weights from seed 0), saved for both engines."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**RANDOM_CONFIGS["bench"], max_position_embeddings=4096,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    hf = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
+    r, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 32000, (r.randint(*prompt),), generator=g).tolist() for _ in range(n)]
+    return prompts, [r.randint(*output) for _ in range(n)]
+
+
+def hf_generate(hf, prompts: list[list[int]], outs: list[int], batch: int, bar: tqdm) -> tuple[float, int, float]:
+    """Padded (left) batches as a user runs them: (seconds, tokens generated, unused cache share)."""
+    t0, generated, slots, empty = time.perf_counter(), 0, 0, 0
+    for i in range(0, len(prompts), batch):
+        ps, os_ = prompts[i:i + batch], outs[i:i + batch]
+        width, new = max(map(len, ps)), max(os_)
+        ids = torch.zeros(len(ps), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(ps):
+            ids[j, width - len(p):], mask[j, width - len(p):] = torch.tensor(p), 1
+        with torch.no_grad():
+            res = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False)
+        generated += (res.shape[1] - width) * len(ps)
+        # The padded cache holds B x (width + t) slots after step t; a request fills len + min(t, out).
+        for t in range(1, new + 1):
+            slots += len(ps) * (width + t)
+            empty += sum(width + t - len(p) - min(t, o) for p, o in zip(ps, os_))
+        bar.update(len(ps))
+    return time.perf_counter() - t0, generated, empty / slots
+
+
+def engine_llm(path: str, prefix: bool) -> LLM:
+    return LLM(path, dtype="bf16", kv_cache_bytes=1 << 30, max_num_batched_tokens=2048, enable_prefix_caching=prefix)
+
+
+def warm(llm: LLM) -> None:
+    ps, os_ = workload(4, (16, 300), (4, 8), seed=99)
+    llm.generate(ps, [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in os_], use_tqdm=False)
+
+
+def run_engine(llm: LLM, prompts, outs, desc: str) -> tuple[float, int, list]:
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=True)
+    dt = time.perf_counter() - t0
+    assert [len(r.token_ids) for r in res] == outs, f"{desc}: wrong output lengths"
+    return dt, sum(outs), res
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    c = QUICK if args.quick else FULL
+    torch.manual_seed(0)
+    rows, tmp = [], tempfile.mkdtemp(prefix="tierkv-bench-")
+    hf = bench_checkpoint(tmp)
+
+    # (a) throughput
+    prompts, outs = workload(c["requests"], c["prompt"], c["output"])
+    llm = engine_llm(tmp, prefix=True)
+    warm(llm)
+    llm.stats = type(llm.stats)()
+    dt, n, _ = run_engine(llm, prompts, outs, "throughput")
+    engine_unused = llm.stats.kv_unused_share
+    rows.append(dict(case="a:throughput", system="tierkv", requests=len(prompts), seconds=dt,
+                     output_tokens=n, tok_per_s=n / dt, kv_unused_pct=100 * engine_unused))
+    with tqdm(total=len(prompts), desc="hf generate") as bar:
+        hdt, hgen, hf_unused = hf_generate(hf, prompts, outs, c["hf_batch"], bar)
+    rows.append(dict(case="a:throughput", system="hf", requests=len(prompts), seconds=hdt,
+                     output_tokens=n, tok_per_s=n / hdt, kv_unused_pct=100 * hf_unused,
+                     note=f"generated {hgen} (padding to the batch's longest)"))
+
+    # single-request decode latency: the engine's decode time per token; HF's (t(L) - t(1)) / (L - 1)
+    p1, lo = workload(1, (c["latency_prompt"],) * 2, (1, 1), seed=5)[0], c["latency_output"]
+    sp = SamplingParams(temperature=0.0, max_tokens=lo, ignore_eos=True)
+    e_ms = llm.generate(p1, sp, use_tqdm=False)[0].metrics.decode_time / (lo - 1) * 1e3
+    ids = torch.tensor(p1)
+    with torch.no_grad():
+        t = time.perf_counter(); hf.generate(ids, max_new_tokens=1, do_sample=False); h1 = time.perf_counter() - t
+        t = time.perf_counter(); hf.generate(ids, max_new_tokens=lo, min_new_tokens=lo, do_sample=False)
+        h_ms = (time.perf_counter() - t - h1) / (lo - 1) * 1e3
+    rows.append(dict(case="a:decode_latency", system="tierkv", ms_per_token=e_ms))
+    rows.append(dict(case="a:decode_latency", system="hf", ms_per_token=h_ms))
+
+    # (b) shared system prompt, prefix caching on vs off
+    system = workload(1, (c["system"],) * 2, (1, 1), seed=7)[0][0]
+    users, _ = workload(c["shared_requests"], c["user"], (1, 1), seed=8)
+    sprompts, souts = [system + u for u in users], [c["shared_output"]] * len(users)
+    for prefix in (True, False):
+        sl = engine_llm(tmp, prefix)
+        warm(sl)
+        if sl.blocks.tree is not None:
+            sl.blocks.tree.stats = type(sl.blocks.tree.stats)()
+        sdt, sn, res = run_engine(sl, sprompts, souts, "shared prefix")
+        rows.append(dict(case="b:shared_prefix", system=f"prefix_cache_{'on' if prefix else 'off'}",
+                         requests=len(sprompts), seconds=sdt, output_tokens=sn, tok_per_s=sn / sdt,
+                         cached_tokens=sum(x.metrics.cached_tokens for x in res)))
+        del sl
+    on, off = rows[-2]["tok_per_s"], rows[-1]["tok_per_s"]
+    ratio_a = rows[0]["tok_per_s"] / rows[1]["tok_per_s"]
+    goals = [goal("a: output tokens/s vs HF transformers", ratio_a, ">=", 3.0, "x"),
+             goal("b: prefix caching on vs off throughput", on / off, ">=", 2.0, "x"),
+             goal("c: allocated KV slots holding no token (tierkv)", 100 * engine_unused, "<=", 4.0, "%")]
+    cols = ["case", "system", "requests", "seconds", "output_tokens", "tok_per_s", "ms_per_token",
+            "kv_unused_pct", "cached_tokens", "note"]
+    print_table(rows, cols)
+    print(f"(c) unused KV slots: tierkv {100 * engine_unused:.2f}% vs HF padded cache {100 * hf_unused:.2f}%")
+
+    def plot(ax) -> None:
+        labels = [f"{r['case']}\n{r['system']}" for r in rows if "tok_per_s" in r]
+        ax.bar(labels, [r["tok_per_s"] for r in rows if "tok_per_s" in r], color="tab:blue")
+        ax.set_ylabel("output tokens/s")
+        ax.tick_params(axis="x", labelsize=7)
+
+    write_results("engine", dict(c, quick=args.quick, model="bench (hidden 512, 8 layers, bf16, seed 0)",
+                                 max_num_batched_tokens=2048, threads=torch.get_num_threads()), rows, goals, plot)
+
+
+if __name__ == "__main__":
+    main()
