@@ -51,21 +51,23 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def check_attention_values(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            q_positions: torch.Tensor) -> None:
-    """Range checks (one host sync): a bad block id must be an error, never a wild read."""
+    """Range checks in one host sync: a bad block id must be an error, never a wild read."""
     cu = cu_seqlens_q.long()
     lens = seq_lens.long()
-    bs = k_cache.shape[1]
-    if cu.numel() and (cu[0] != 0 or cu[-1] != q.shape[0] or (cu[1:] < cu[:-1]).any()):
-        raise ValueError("cu_seqlens_q must rise from 0 to Nq")
-    if (lens < 0).any() or (q_positions < 0).any():
-        raise ValueError("seq_lens and q_positions must be >= 0")
-    need = (lens + bs - 1) // bs
-    if need.numel() and need.max() > block_tables.shape[1]:
-        raise ValueError("a sequence has more keys than its block table covers")
+    need = (lens + k_cache.shape[1] - 1) // k_cache.shape[1]
     used = torch.arange(block_tables.shape[1], device=q.device) < need[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= k_cache.shape[0]))
-    if bad.any():
-        raise ValueError("block table entry outside the cache")
+    zero = torch.zeros((), dtype=torch.bool, device=q.device)
+    flags = torch.stack([
+        (cu[0] != 0) | (cu[-1] != q.shape[0]) | (cu[1:] < cu[:-1]).any(),
+        (lens < 0).any() | (q_positions < 0).any() if q_positions.numel() else (lens < 0).any(),
+        need.max() > block_tables.shape[1] if need.numel() else zero,
+        (used & ((block_tables < 0) | (block_tables >= k_cache.shape[0]))).any(),
+    ]).tolist()
+    for bad, msg in zip(flags, ("cu_seqlens_q must rise from 0 to Nq", "seq_lens and q_positions must be >= 0",
+                                "a sequence has more keys than its block table covers",
+                                "block table entry outside the cache")):
+        if bad:
+            raise ValueError(msg)
 
 
 class _Workspace(threading.local):

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import is_fp8
+from kernels.triton_common import cdiv, rmax, rsum
 from kernels.ref_attention import check_attention_args, check_attention_values
 
 
@@ -60,10 +61,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees no key
-    kv_end = tl.minimum(tl.load(lens_ptr + seq), tl.max(pos, 0) + 1)
-    tiles = tl.cdiv(kv_end, TILE_N)
+    kv_end = tl.minimum(tl.load(lens_ptr + seq), rmax(pos, 0) + 1)
+    tiles = cdiv(kv_end, TILE_N)
     if NUM_SPLITS > 1:
-        per = tl.cdiv(tiles, NUM_SPLITS)
+        per = cdiv(tiles, NUM_SPLITS)
         t_lo = split * per
         t_hi = tl.minimum(t_lo + per, tiles)
     else:
@@ -73,8 +74,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr
         k_sc = tl.load(ks_ptr + kvh)
         v_sc = tl.load(vs_ptr + kvh)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, tl.float32)
     for t in range(t_lo, t_hi):
         offs_n = t * TILE_N + tl.arange(0, TILE_N)
         n_ok = offs_n < kv_end
@@ -97,11 +98,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr
             s = tl.dot(q, tl.trans(k)) * scale
         allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, rmax(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + rsum(p, 1)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -128,13 +129,13 @@ def _combine_kernel(part_acc, part_ml, out_ptr, s_ot, s_oh, num_heads, HEAD_D: t
     row = (tok * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml + row * 2)
     l = tl.load(part_ml + row * 2 + 1)
-    m_max = tl.max(m, 0)
+    m_max = rmax(m, 0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp(m - m_safe)  # an empty split has m = -inf: weight 0
-    total = tl.sum(w * l, 0)
+    total = rsum(w * l, 0)
     offs_d = tl.arange(0, D_PAD)
     acc = tl.load(part_acc + row[:, None] * D_PAD + offs_d[None, :])
-    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o = rsum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + tok * s_ot + head * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_D)
 

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8, FP8_MAX, is_fp8
 from kernels.dispatch import interpret
+from kernels.triton_common import rmax
 from kernels.ref_kv import check_cache_pair, check_segment, check_write_args, put_rows, token_slots
 
 
@@ -76,7 +77,7 @@ def _move_kernel(cache_ptr, seg_ptr, bids_ptr, src_sc, dst_sc, amax_ptr, stage_p
     head = col // HEAD_D
     if AMAX_ONLY:
         # First pass of a gather into a fresh fp8 segment: per-column amax, reduced to heads on the host.
-        tl.atomic_max(amax_ptr + col, tl.max(tl.abs(x.to(tl.float32)), 0), mask=col_ok)
+        tl.atomic_max(amax_ptr + col, rmax(tl.abs(x.to(tl.float32)), 0), mask=col_ok)
     else:
         dst = seg_ptr if TO_SEG else cache_ptr
         if RAW:
