@@ -25,18 +25,20 @@ log = logging.getLogger("tierkv.server")
 
 
 def build_store(c: cfg.ServerConfig) -> TieredStore:
-    """cpu, then disk under cache_dir (unless disk_bytes is 0), then Redis when a URL is set."""
-    tiers = [CpuTier(CpuTierConfig(capacity_bytes=c.cpu_bytes))]
+    """cpu and disk under cache_dir (each unless its size is 0), then Redis when a URL is set."""
+    tiers: list = [CpuTier(CpuTierConfig(capacity_bytes=c.cpu_bytes))] if c.cpu_bytes else []
     if c.disk_bytes:
         tiers.append(DiskTier(DiskTierConfig(root=c.cache_path / "disk", capacity_bytes=c.disk_bytes)))
     if c.redis_url:
         tiers.append(RedisTier(RedisTierConfig(url=c.redis_url, cluster=c.redis_cluster, ttl_s=c.redis_ttl_s,
                                                timeout_s=c.redis_timeout_s)))
+    if not tiers:
+        raise cfg.ConfigError("no tiers: set cpu_bytes, disk_bytes or redis_url")
     return TieredStore(tiers)
 
 
-async def serve(c: cfg.ServerConfig) -> None:
-    server = await Server.start(c, build_store(c))
+async def serve(c: cfg.ServerConfig, store: TieredStore) -> None:
+    server = await Server.start(c, store)
     tiers = ", ".join(t.name for t in server.store.tiers)
     print(f"tierkv-server listening on {c.host}:{server.port} (tiers: {tiers}; "
           f"auth {'on' if c.auth else 'off'}; tls {'on' if c.tls_cert else 'off'})", flush=True)
@@ -90,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tierkv-server", description="the tierkv gRPC cache server")
     cfg.add_arguments(p)
     args = p.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         c = cfg.load(args)
+        store = build_store(c)
     except (cfg.ConfigError, OSError) as e:
         p.error(str(e))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(c))
+    asyncio.run(serve(c, store))
     return 0

@@ -55,7 +55,7 @@ class ServerConfig:
     host: str = "127.0.0.1"          # bind address; 0.0.0.0 only when asked
     port: int = 50051                # gRPC port (0: pick a free one, printed at start)
     cache_dir: str = "~/.cache/tierkv"  # disk tier directory
-    cpu_bytes: int = 1 << 30         # cpu tier capacity
+    cpu_bytes: int = 1 << 30         # cpu tier capacity (0: no cpu tier)
     disk_bytes: int = 16 << 30       # disk tier capacity (0: no disk tier)
     redis_url: str = ""              # adds the shared Redis tier when set
     redis_cluster: bool = False      # use the Redis Cluster client (also when the URL says redis+cluster://)

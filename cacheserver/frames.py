@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from proto import tierkv_pb2 as pb
+from storage_backends.buffers import out_view
 from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
 
 MiB = 1 << 20
@@ -79,21 +80,48 @@ def pieces(seg: KVSegment) -> tuple[int, list[memoryview]]:
     return h.nbytes, [memoryview(head)] + [memoryview(b).cast("B") for b in blobs]
 
 
-def cut(piece: memoryview, frame: int) -> Iterator[bytes]:
+def cut(piece: memoryview, frame: int) -> Iterator[memoryview]:
     for off in range(0, len(piece), frame):
-        yield bytes(piece[off:off + frame])
+        yield piece[off:off + frame]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def wire(head: Message, field: int, data: memoryview) -> bytes:
+    """head's wire bytes plus bytes field `field` = data: the one copy of data goes straight
+    from its source into the message (building a message, then serializing it, copies twice)."""
+    return b"".join((head.SerializeToString(), _varint(field << 3 | 2), _varint(len(data)), data))
+
+
+def _put_parts(key: bytes, seg: KVSegment, frame: int) -> tuple[pb.PutFrame, Iterator[tuple[int, memoryview]]]:
+    total, parts = pieces(seg)
+    n = sum(-(-len(p) // frame) for p in parts)
+    header = pb.PutFrame(seq=0, header=pb.PutHeader(key=key, total_bytes=total, num_frames=n))
+    chunks = (c for p in parts for c in cut(p, frame))
+    return header, ((seq, c) for seq, c in enumerate(chunks, start=1))
 
 
 def put_frames(key: bytes, seg: KVSegment, frame: int = MiB) -> Iterator[pb.PutFrame]:
-    """The Put stream of seg: a header frame, then payload frames numbered from 1."""
-    total, parts = pieces(seg)
-    n = sum(-(-len(p) // frame) for p in parts)
-    yield pb.PutFrame(seq=0, header=pb.PutHeader(key=key, total_bytes=total, num_frames=n))
-    seq = 1
-    for p in parts:
-        for data in cut(p, frame):
-            yield pb.PutFrame(seq=seq, data=data)
-            seq += 1
+    """The Put stream of seg as messages: a header frame, then payload frames numbered from 1."""
+    header, chunks = _put_parts(key, seg, frame)
+    yield header
+    for seq, c in chunks:
+        yield pb.PutFrame(seq=seq, data=bytes(c))
+
+
+def put_wire(key: bytes, seg: KVSegment, frame: int = MiB) -> Iterator[bytes]:
+    """The same stream as put_frames, already serialized (for an identity serializer)."""
+    header, chunks = _put_parts(key, seg, frame)
+    yield header.SerializeToString()
+    for seq, c in chunks:
+        yield wire(pb.PutFrame(seq=seq), 3, c)
 
 
 @dataclass(slots=True)
@@ -166,20 +194,17 @@ class Assembly:
     filled: int = 0  # bytes of that layer so far
 
     @staticmethod
-    def start(f: pb.SegmentFrame, max_bytes: int, per_layer: bool = False, dst=None) -> "Assembly":
-        """From a HEADER frame; dst (optional) receives the payload in whole mode."""
+    def start(f: pb.SegmentFrame, max_bytes: int, per_layer: bool = False, out=None) -> "Assembly":
+        """From a HEADER frame. In whole mode an uncompressed payload lands in `out` (a CPU
+        tensor or writable buffer) when given, else in a new buffer."""
         if f.kind != pb.SegmentFrame.HEADER:
             raise SegmentError(f"expected a HEADER frame, got kind {f.kind}")
         h = SegmentHeader.decode(f.data)
         if h.nbytes > max_bytes or f.total_bytes != h.nbytes or len(f.data) != h.header_nbytes:
             raise SegmentError(f"segment of {h.nbytes} bytes (frames say {f.total_bytes}) refused")
         size = max(n for _, n in h.layers) if per_layer else h.nbytes - h.header_nbytes
-        if dst is None:
-            dst = bytearray(size)
-        mv = memoryview(dst).cast("B")
-        if len(mv) < size:
-            raise ValueError(f"destination holds {len(mv)} bytes, the payload needs {size}")
-        return Assembly(h, mv, per_layer)
+        dst = out_view(out, size) if out is not None and not per_layer and h.codec == "none" else None
+        return Assembly(h, dst if dst is not None else memoryview(bytearray(size)), per_layer)
 
     def _at(self) -> int:
         return 0 if self.per_layer else self.header.layers[self.layer][0] - self.header.header_nbytes

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from cacheserver.auth import Auth
 from cacheserver.config import ServerConfig
 from cacheserver.frames import (BadRequest, PutLimits, check_keys, check_known, cut, parser, receive_put,
-                                too_big)
+                                too_big, wire)
 from cacheserver.metrics import Metrics
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
@@ -31,6 +31,8 @@ from storage_backends.segment import KVSegment
 from storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.server")
+# HTTP/2 frames as large as the spec allows: a 1 MiB message then crosses in one frame, not 64.
+HTTP2_FRAME = (1 << 24) - 1
 SERVICE = pb.DESCRIPTOR.services_by_name["TierKV"].full_name
 
 
@@ -123,7 +125,8 @@ class Servicer(pb_grpc.TierKVServicer):
         seg = await self.store.get(key, ns)
         return self.store.tiers[at].name, _from_segment(seg)
 
-    async def _frames(self, index: int, key: bytes, ns: str) -> AsyncIterator[pb.SegmentFrame]:
+    async def _frames(self, index: int, key: bytes, ns: str) -> AsyncIterator[bytes]:
+        """The serialized SegmentFrames of one key (see `wire`: one copy from tier memory)."""
         where, chunks = await self._layers(key, ns)
         c, frame, sent, layers = self._ns(ns), self.config.max_frame_bytes, 0, -1
         c.gets += 1
@@ -132,29 +135,30 @@ class Servicer(pb_grpc.TierKVServicer):
             if chunk.layer == 0:
                 head = h.encode()
                 yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.HEADER, data=head,
-                                      total_bytes=h.nbytes, tier=where)
+                                      total_bytes=h.nbytes, tier=where).SerializeToString()
                 sent += len(head)
+            tag = pb.SegmentFrame(index=index, kind=pb.SegmentFrame.LAYER, layer=chunk.layer)
             for data in cut(memoryview(chunk.data).cast("B"), frame):
-                yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.LAYER, layer=chunk.layer, data=data)
+                yield wire(tag, 4, data)
             sent += len(chunk.data)
             layers = chunk.layer
         if sent == 0 or layers + 1 != h.num_layers:
             # Absent, or the tier failed midway: MISS tells the client to drop what it has.
             c.misses += 1
-            yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.MISS)
+            yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.MISS).SerializeToString()
             return
         c.hits[where] = c.hits.get(where, 0) + 1
         c.bytes_out += sent
         self.metrics.wire_bytes.labels("out").inc(sent)
 
-    async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.SegmentFrame]:
+    async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[bytes]:
         async with self._call("Get", context, stream=True) as ns:
             check_known(request)
             key = check_keys([request.key], 1)[0]
             async for f in self._frames(0, key, ns):
                 yield f
 
-    async def GetMany(self, request: pb.GetManyRequest, context) -> AsyncIterator[pb.SegmentFrame]:
+    async def GetMany(self, request: pb.GetManyRequest, context) -> AsyncIterator[bytes]:
         async with self._call("GetMany", context, stream=True) as ns:
             check_known(request)
             for i, key in enumerate(check_keys(request.keys, self.config.max_keys)):
@@ -195,15 +199,21 @@ async def _from_segment(seg: KVSegment | None) -> AsyncIterator[LayerChunk]:
         yield LayerChunk(h, i, memoryview(b).cast("B"))
 
 
+def _identity(b: bytes) -> bytes:
+    return b
+
+
 def add_servicer(servicer: Servicer, server: grpc.aio.Server) -> None:
     """Register the TierKV methods, like the generated helper, but with parsers that never raise."""
     svc = pb.DESCRIPTOR.services_by_name["TierKV"]
     makers = {(False, False): grpc.unary_unary_rpc_method_handler,
               (True, False): grpc.stream_unary_rpc_method_handler,
               (False, True): grpc.unary_stream_rpc_method_handler}
+    def serializer(m) -> Callable:  # streamed frames leave the handler already serialized
+        return _identity if m.server_streaming else getattr(pb, m.output_type.name).SerializeToString
     handlers = {m.name: makers[(m.client_streaming, m.server_streaming)](
         getattr(servicer, m.name), request_deserializer=parser(getattr(pb, m.input_type.name)),
-        response_serializer=getattr(pb, m.output_type.name).SerializeToString) for m in svc.methods}
+        response_serializer=serializer(m)) for m in svc.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(svc.full_name, handlers),))
 
 
@@ -211,6 +221,7 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Messages are frames (<= max_frame_bytes) or key lists; allow those with headroom, no more."""
     limit = max(config.max_frame_bytes, config.max_keys * 20) + 64 * 1024
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.http2.max_frame_size", HTTP2_FRAME),
             # HTTP/2 would queue streams over its limit silently; leave room so max_streams
             # refuses them with a message instead (unary calls count as HTTP/2 streams too).
             ("grpc.max_concurrent_streams", config.max_streams + 32)]

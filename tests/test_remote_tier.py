@@ -56,6 +56,24 @@ async def test_eight_concurrent_clients_every_byte(tmp_path) -> None:
         server.stop(kill=True)
 
 
+async def test_get_into_out() -> None:
+    server = ServerProcess().start()
+    tier = RemoteTier(target=server.target)
+    try:
+        s = segment(5)
+        assert await tier.put(s.key, s)
+        out = torch.empty(s.payload.numel() + 10, dtype=torch.float16)
+        got = await tier.get(s.key, out=out)
+        assert got.payload.data_ptr() == out.data_ptr() and torch.equal(got.payload, s.payload)
+        buf = bytearray(s.payload.numel() * 2)
+        got = await tier.get(s.key, out=buf)
+        assert torch.equal(got.payload, s.payload) and bytes(buf) == s.payload.view(torch.uint8).numpy().tobytes()
+        assert await tier.get(s.key, out=bytearray(10)) is None  # too small: refused, nothing written
+    finally:
+        await tier.close()
+        server.stop(kill=True)
+
+
 async def test_retries_until_the_server_is_up() -> None:
     server = ServerProcess()
     tier = RemoteTier(target=server.target, retries=10, backoff_s=0.1, timeout_s=5)
