@@ -3,6 +3,7 @@
     tierkv-server --port 50051 --cache-dir /var/cache/tierkv --cpu-bytes 8GiB
     tierkv-server --redis-url redis://10.0.0.7:6379/0 --tokens "$TOKEN=team-a"
     tierkv-server stats --target 127.0.0.1:50051 [--token T] [--tls-ca ca.pem]
+    tierkv-server health --target 127.0.0.1:50051      # exit 0 when SERVING
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import contextlib
 import logging
 import signal
 import sys
+
+import grpc
 
 from cacheserver import config as cfg
 from cacheserver.server import Server
@@ -80,15 +83,37 @@ async def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _health(args: argparse.Namespace) -> int:
+    """Exit 0 when the server answers SERVING (container health checks)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from cacheserver.client import channel
+
+    async with channel(args.target, args.tls_ca) as ch:
+        try:
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.aio.AioRpcError as e:
+            print(f"{args.target}: {e.code().name}", file=sys.stderr)
+            return 1
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _client_parser(name: str, what: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"tierkv-server {name}", description=what)
+    p.add_argument("--target", required=True, help="HOST:PORT")
+    p.add_argument("--token", help="bearer token (default: none)")
+    p.add_argument("--tls-ca", help="CA certificate (PEM) for a TLS server")
+    p.add_argument("--timeout", type=float, default=5.0)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:
+        return asyncio.run(_health(_client_parser("health", "check a server's health").parse_args(argv[1:])))
     if argv[:1] == ["stats"]:
-        p = argparse.ArgumentParser(prog="tierkv-server stats", description="print a server's stats")
-        p.add_argument("--target", required=True, help="HOST:PORT")
-        p.add_argument("--token", help="bearer token (default: none)")
-        p.add_argument("--tls-ca", help="CA certificate (PEM) for a TLS server")
-        p.add_argument("--timeout", type=float, default=5.0)
-        return asyncio.run(_stats(p.parse_args(argv[1:])))
+        return asyncio.run(_stats(_client_parser("stats", "print a server's stats").parse_args(argv[1:])))
     p = argparse.ArgumentParser(prog="tierkv-server", description="the tierkv gRPC cache server")
     cfg.add_arguments(p)
     args = p.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)

@@ -158,6 +158,7 @@ def test_health_reflection_metrics_and_stats_cli(capsys) -> None:
                      'tierkv_tier_evictions_total{tier="cpu"}', 'tierkv_tier_errors_total{tier="cpu"}',
                      'tierkv_tier_bytes_in{tier="cpu"}', 'tierkv_tier_used_bytes{tier="cpu"}'):
             assert name in text, name
+        assert cli.main(["health", "--target", server.target]) == 0 and "SERVING" in capsys.readouterr().out
         assert cli.main(["stats", "--target", server.target]) == 0  # in-process: no second torch import
         lines = capsys.readouterr().out.splitlines()
         assert lines[0].startswith("namespace default: 0 lookups, 1 puts, 1 gets")
@@ -165,5 +166,6 @@ def test_health_reflection_metrics_and_stats_cli(capsys) -> None:
         assert lines[2].split()[:2] == ["cpu", "1"] and "100.0%" in lines[2] and lines[3].startswith("disk")
         assert cli.main(["stats", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1"]) == 1
         assert "no answer" in capsys.readouterr().err
+        assert cli.main(["health", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1"]) == 1
     finally:
         server.stop(kill=True)
