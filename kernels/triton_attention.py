@@ -148,15 +148,23 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
                   sm_count: int, tile_n: int = 64) -> int:
-    """Split-K only pays when the grid cannot fill the device: decode-sized queries, few
-    (sequence, KV head) programs, and enough keys for every split to get several tiles."""
+    """Split-K only pays when the grid cannot fill the device: decode-sized queries, fewer
+    (sequence, KV head) programs than ~4 per SM, and at least 4 key tiles per split."""
     programs = num_seqs * num_kv_heads
-    if max_seqlen_q > 1 or programs >= sm_count or max_seqlen_k < 8 * tile_n:
+    if max_seqlen_q > 1:
         return 1
     splits = 1
-    while splits < 64 and programs * splits < sm_count and max_seqlen_k >= splits * 8 * tile_n:
+    while splits < 128 and programs * splits < 4 * sm_count and max_seqlen_k >= splits * 2 * 4 * tile_n:
         splits *= 2
     return splits
+
+
+def launch_config(max_seqlen_q: int, g_pad: int, cuda: bool) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, TILE_N keys, num_warps). Decode packs the GQA group of one token
+    into a 16-row tile; prefill uses 128 rows on a GPU (64 under the interpreter, cheaper)."""
+    if max_seqlen_q * g_pad <= 16:
+        return 16, 64, 4
+    return (128, 64, 8) if cuda else (64, 64, 4)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -184,12 +192,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         if max_seqlen_k is None and max_seqlen_q == 1:
             max_seqlen_k = int(seq_lens.max())
-        num_splits = choose_splits(b, hkv, max_seqlen_q, max_seqlen_k or 0, _sm_count(q.device), 32)
+        num_splits = choose_splits(b, hkv, max_seqlen_q, max_seqlen_k or 0, _sm_count(q.device))
     if num_splits > 1 and max_seqlen_q != 1:
         raise ValueError("split-K serves decode batches (one query per sequence) only")
-    block_m = 16 if max_seqlen_q * g_pad <= 16 else 64
+    block_m, tile_n, num_warps = launch_config(max_seqlen_q, g_pad, q.is_cuda)
     block_q = max(block_m // g_pad, 1)
-    tile_n = 64 if max_seqlen_q > 1 else 32
     d_pad = triton.next_power_of_2(d)
     fp8 = is_fp8(k_cache)
     if num_splits > 1:
@@ -206,7 +213,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
                        G=g, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_D=d, D_PAD=d_pad, BLOCK_SIZE=bs,
-                       TILE_N=tile_n, FP8=fp8, IEEE=q.dtype == torch.float32, NUM_SPLITS=num_splits)
+                       TILE_N=tile_n, FP8=fp8, IEEE=q.dtype == torch.float32, NUM_SPLITS=num_splits,
+                       num_warps=num_warps)
     if num_splits > 1:
         _combine_kernel[(nq, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), hq,
                                   HEAD_D=d, D_PAD=d_pad, NUM_SPLITS=num_splits)

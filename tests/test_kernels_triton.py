@@ -97,11 +97,12 @@ def test_split_k_decode(splits, fp8):
 
 
 def test_split_choice():
-    assert choose_splits(1, 8, 1, 32768, 132) > 1
-    assert choose_splits(2, 8, 1, 32768, 132) * 16 >= 132
-    assert choose_splits(64, 8, 1, 32768, 132) == 1  # the grid fills the device already
+    assert choose_splits(1, 2, 1, 32768, 132) == 128  # one long sequence: spread over the device
+    assert choose_splits(32, 2, 1, 32768, 132) * 64 >= 4 * 132
+    assert choose_splits(128, 8, 1, 32768, 132) == 1  # the grid fills the device already
     assert choose_splits(1, 8, 512, 32768, 132) == 1  # prefill
-    assert choose_splits(1, 8, 1, 100, 132) == 1  # too few keys to split
+    assert choose_splits(1, 8, 1, 300, 132) == 1  # too few keys to split
+    assert choose_splits(1, 8, 1, 4096, 132) == 16  # every split keeps >= 4 tiles of 64 keys
     assert choose_splits(1, 8, 1, 32768, 1) == 1  # CPU / interpreter
 
 
