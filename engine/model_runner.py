@@ -79,7 +79,6 @@ class ModelRunner:
         self.calibrated = self.kv_dtype != FP8
         self.scale = cfg.head_dim ** -0.5
         self.ctx: Context | None = None
-        connector.bind_model(model, cfg, dtype, self.kv_scales if self.kv_dtype == FP8 else None)
         # kv_scales is filled in place on the first forward, so the connector sees the final scales.
         connector.bind_model(model, cfg, dtype, self.kv_scales if self.kv_dtype == FP8 else None)
         connector.register_kv_caches(self.kv_caches)
