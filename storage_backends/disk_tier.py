@@ -19,6 +19,7 @@ from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Lease
 from storage_backends.buffers import copy_into, out_view
 from storage_backends.segment import (PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum,
                                       decode_layer)
+from storage_backends.segment_files import check_same_header, load, read_aio, read_cached, read_header
 
 _NAME = re.compile(r"[0-9a-f]{32}\.tkv")
 
@@ -75,7 +76,7 @@ class DiskTier(Tier):
                 if f.name.endswith(".tmp"):
                     f.unlink(missing_ok=True)  # an interrupted write
                 elif _NAME.fullmatch(f.name):
-                    got = _read_header(f)
+                    got = read_header(f)
                     if got is None or got[0].key.hex() != f.name[:32]:
                         self._stats.errors += 1
                         f.unlink(missing_ok=True)
@@ -115,12 +116,12 @@ class DiskTier(Tier):
                 raise SegmentError(f"layer {j - 1}: checksum mismatch")
         try:
             with self.lease(key, ns):
-                verified = _read_cached(entry.path, spans, h.nbytes, check if dst is not None else None)
-                if not verified:
-                    await _read_aio(entry.path, spans, h.nbytes)
-            _same(entry, head[:h.header_nbytes])
+                cached = read_cached(entry.path, spans, h.nbytes, check if dst is not None else None)
+                if not cached:  # a cold read: few large reads, as each aiofiles call is a thread hop
+                    await read_aio(entry.path, [head] if dst is None else [head, dst], h.nbytes)
+            check_same_header(entry.prefix, head[:h.header_nbytes])
             if dst is not None:
-                seg = KVSegment.from_raw(h, dst, verify=not verified)
+                seg = KVSegment.from_raw(h, dst, verify=not cached)  # cached reads were checked per layer
             else:
                 seg = KVSegment.from_parts(h, head)
                 seg = copy_into(seg, h, out) if out is not None else seg
@@ -149,7 +150,7 @@ class DiskTier(Tier):
                     head = bytearray(h.header_nbytes)
                     if await f.readinto(head) != len(head):
                         raise SegmentError("truncated header")
-                    _same(entry, head)
+                    check_same_header(entry.prefix, head)
                     for i, (_, n) in enumerate(h.layers):
                         data = scratch[:n]
                         if await f.readinto(data) != n:
@@ -233,7 +234,7 @@ class DiskTier(Tier):
             return False
         for ns, key in victims:
             if self.on_evict is not None:
-                seg = _load(self.index[(ns, key)])
+                seg = load(self.index[(ns, key)].path)
                 if seg is not None:
                     self.on_evict(ns, key, seg)
             self._remove(ns, key)
@@ -290,63 +291,3 @@ class DiskTier(Tier):
     async def close(self) -> None:
         for fut in list(self._pending.values()):
             await asyncio.shield(fut)
-
-
-def _read_header(path: Path) -> tuple[SegmentHeader, bytes] | None:
-    """The header and prefix of a segment file whose length matches it, else None (partial or garbage)."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(PREFIX_NBYTES)
-            f.seek(0)
-            h = SegmentHeader.decode(f.read(SegmentHeader.peek_nbytes(prefix)))
-            return (h, prefix) if os.fstat(f.fileno()).st_size == h.nbytes else None
-    except (OSError, SegmentError):
-        return None
-
-
-def _read_cached(path: Path, spans: list[tuple[int, memoryview]], nbytes: int, check=None) -> bool:
-    """Fill each (offset, buffer) span from the page cache without blocking (RWF_NOWAIT),
-    calling check(j) after span j; False when some of it is not cached, so the caller reads
-    on a worker thread instead: a cached read costs less than one thread hop."""
-    if not hasattr(os, "RWF_NOWAIT"):
-        return False
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            raise SegmentError("file length does not match its header")
-        for j, (off, buf) in enumerate(spans):
-            if os.preadv(fd, [buf], off, os.RWF_NOWAIT) != len(buf):
-                return False
-            if check is not None:
-                check(j)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-async def _read_aio(path: Path, spans: list[tuple[int, memoryview]], nbytes: int) -> None:
-    async with aiofiles.open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size != nbytes:
-            raise SegmentError("file length does not match its header")
-        for off, buf in spans:
-            await f.seek(off)
-            if await f.readinto(buf) != len(buf):
-                raise SegmentError("file shorter than its header says")
-
-
-def _same(entry: DiskEntry, head) -> None:
-    """The header now on disk must still be the one indexed (the file may have been replaced):
-    the same prefix, whose checksum covers the rest of the header, and that checksum holds."""
-    if bytes(head[:PREFIX_NBYTES]) != entry.prefix:
-        raise SegmentError("file header changed since it was indexed")
-    if checksum(head[PREFIX_NBYTES:]) != int.from_bytes(entry.prefix[-8:], "little"):
-        raise SegmentError("header checksum mismatch")
-
-
-def _load(entry: DiskEntry) -> KVSegment | None:
-    try:
-        return KVSegment.decode(entry.path.read_bytes())
-    except (OSError, SegmentError):
-        return None

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig, _read_cached
+from storage_backends.disk_tier import DiskTier, DiskTierConfig
+from storage_backends.segment_files import read_cached
 from storage_backends.gpu_tier import GpuTier, GpuTierConfig
 from storage_backends.segment import KVSegment, SegmentHeader, decode_layer
 
@@ -248,7 +249,7 @@ async def test_disk_cold_read_goes_through_aiofiles(tmp_path):
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced, so the kernel can drop it
     os.close(fd)
     h = tier.index[("default", s.key)].header
-    assert not _read_cached(path, [(0, memoryview(bytearray(h.nbytes)))], h.nbytes)  # not cached: would block
+    assert not read_cached(path, [(0, memoryview(bytearray(h.nbytes)))], h.nbytes)  # not cached: would block
     out = torch.empty_like(s.payload)
     assert same(await tier.get(s.key, out=out), s) and torch.equal(out, s.payload)
 
