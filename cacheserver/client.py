@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from cacheserver.auth import bearer
+from cacheserver import wire
 from cacheserver.frames import Assembly, put_wire
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
@@ -64,6 +65,7 @@ class RemoteTier(Tier):
     _channel: grpc.aio.Channel | None = None
     _stub: pb_grpc.TierKVStub | None = None
     _put: grpc.aio.StreamUnaryMultiCallable | None = None
+    _get: grpc.aio.UnaryStreamMultiCallable | None = None
     _stats: TierStats = field(default_factory=lambda: TierStats(name="remote", device="grpc"))
     _get_lat: Latency = field(default_factory=Latency)
     _put_lat: Latency = field(default_factory=Latency)
@@ -74,9 +76,13 @@ class RemoteTier(Tier):
         if self._stub is None:  # made on first use, inside the caller's event loop
             self._channel = channel(self.target, self.tls_ca, self.frame_bytes)
             self._stub = pb_grpc.TierKVStub(self._channel)
-            # Put frames go out pre-serialized (put_wire): one copy of the payload, not three.
+            # Payload frames go out pre-serialized and are read in place (cacheserver.wire):
+            # one copy of the payload each way, not three.
             self._put = self._channel.stream_unary("/tierkv.v1.TierKV/Put", request_serializer=_identity,
                                                    response_deserializer=pb.PutResponse.FromString)
+            self._get = self._channel.unary_stream("/tierkv.v1.TierKV/Get",
+                                                   request_serializer=pb.GetRequest.SerializeToString,
+                                                   response_deserializer=wire.parse_frame)
         return self._stub
 
     def _opts(self) -> dict:
@@ -107,6 +113,10 @@ class RemoteTier(Tier):
             pause *= 2
         return None
 
+    def _frames(self, req: pb.GetRequest):
+        self.stub  # noqa: B018  (makes the channel and self._get)
+        return self._get(req, **self._opts())
+
     async def lookup(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> pb.LookupResponse | None:
         """The server's full answer: presence, tier of each key, present prefix length."""
         check_namespace(ns)
@@ -124,7 +134,7 @@ class RemoteTier(Tier):
 
         async def run() -> KVSegment | None:
             asm = None
-            async for f in self.stub.Get(req, **self._opts()):
+            async for f in self._frames(req):
                 if f.kind == pb.SegmentFrame.MISS:
                     return None
                 if asm is None:  # frames land in `out` itself when they can
@@ -150,7 +160,7 @@ class RemoteTier(Tier):
             yielded = False
             try:
                 asm = None
-                async for f in self.stub.Get(req, **self._opts()):
+                async for f in self._frames(req):
                     if f.kind == pb.SegmentFrame.MISS:
                         break
                     if asm is None:

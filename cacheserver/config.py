@@ -70,6 +70,7 @@ class ServerConfig:
     max_frames: int = 4096           # most payload frames in one Put
     max_streams: int = 64            # concurrent Put/Get/GetMany streams, server-wide
     max_keys: int = 4096             # most keys in one Lookup/GetMany/Delete
+    recv_pool_bytes: int = 256 * MiB  # idle Put receive buffers kept for reuse
     grace_s: float = 10.0            # SIGTERM: time in-flight RPCs get to finish
 
     def __post_init__(self) -> None:
@@ -97,7 +98,7 @@ class ServerConfig:
         return bool(self.tokens)
 
 
-_SIZES = {"cpu_bytes", "disk_bytes", "max_segment_bytes", "max_frame_bytes"}
+_SIZES = {"cpu_bytes", "disk_bytes", "max_segment_bytes", "max_frame_bytes", "recv_pool_bytes"}
 
 
 def _coerce(name: str, raw: Any) -> Any:

@@ -8,13 +8,15 @@ no join of payloads, and nothing is handed on before the whole thing checks out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from cacheserver import wire
+from cacheserver.wire import Corrupt
 from proto import tierkv_pb2 as pb
 from storage_backends.buffers import out_view
 from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
@@ -39,30 +41,22 @@ def too_big(message: str) -> BadRequest:
     return BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, message, "limit")
 
 
-@dataclass(slots=True)
-class Corrupt:
-    """Stands in for a request that did not parse, so the handler can refuse it by name."""
-    kind: str
-
-
 def parser(cls: type[Message]):
     """A deserializer that never raises: grpc would answer UNKNOWN, we answer INVALID_ARGUMENT."""
     def parse(data: bytes) -> Message | Corrupt:
         try:
             return cls.FromString(data)
         except DecodeError:
-            return Corrupt(cls.__name__)
+            return Corrupt(f"not a valid {cls.__name__} message")
     return parse
 
 
-def check_known(msg: Message | Corrupt) -> None:
+def check_known(msg: Message | Corrupt | wire.PutFrame) -> None:
     """Refuse unparsable messages and fields this server does not know (a newer or confused client)."""
     if isinstance(msg, Corrupt):
-        raise invalid(f"not a valid {msg.kind} message")
-    if len(UnknownFieldSet(msg)):
+        raise invalid(msg.why)
+    if isinstance(msg, Message) and len(UnknownFieldSet(msg)):
         raise invalid(f"{type(msg).__name__} carries unknown fields")
-    if isinstance(msg, pb.PutFrame) and msg.HasField("header") and len(UnknownFieldSet(msg.header)):
-        raise invalid("PutHeader carries unknown fields")
 
 
 def check_keys(keys: Sequence[bytes], max_keys: int) -> list[bytes]:
@@ -83,21 +77,6 @@ def pieces(seg: KVSegment) -> tuple[int, list[memoryview]]:
 def cut(piece: memoryview, frame: int) -> Iterator[memoryview]:
     for off in range(0, len(piece), frame):
         yield piece[off:off + frame]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def wire(head: Message, field: int, data: memoryview) -> bytes:
-    """head's wire bytes plus bytes field `field` = data: the one copy of data goes straight
-    from its source into the message (building a message, then serializing it, copies twice)."""
-    return b"".join((head.SerializeToString(), _varint(field << 3 | 2), _varint(len(data)), data))
 
 
 def _put_parts(key: bytes, seg: KVSegment, frame: int) -> tuple[pb.PutFrame, Iterator[tuple[int, memoryview]]]:
@@ -121,63 +100,7 @@ def put_wire(key: bytes, seg: KVSegment, frame: int = MiB) -> Iterator[bytes]:
     header, chunks = _put_parts(key, seg, frame)
     yield header.SerializeToString()
     for seq, c in chunks:
-        yield wire(pb.PutFrame(seq=seq), 3, c)
-
-
-@dataclass(slots=True)
-class PutLimits:
-    max_segment_bytes: int
-    max_frame_bytes: int
-    max_frames: int
-
-
-async def receive_put(frames: AsyncIterator[pb.PutFrame], lim: PutLimits) -> tuple[bytes, KVSegment]:
-    """Read a whole Put stream into one buffer and decode it; BadRequest on anything off."""
-    first = await anext(frames, None)
-    if first is None:
-        raise invalid("empty Put stream: expected a header frame")
-    check_known(first)
-    if first.WhichOneof("body") != "header" or first.seq != 0:
-        raise invalid("the first Put frame must be the header, seq 0")
-    h = first.header
-    if len(h.key) != KEY_NBYTES:
-        raise invalid(f"a key is {KEY_NBYTES} bytes, got {len(h.key)}")
-    if h.total_bytes == 0 or h.num_frames == 0:
-        raise invalid("a Put needs total_bytes > 0 and num_frames > 0")
-    if h.total_bytes > lim.max_segment_bytes:
-        raise too_big(f"segment of {h.total_bytes} bytes exceeds max_segment_bytes {lim.max_segment_bytes}")
-    if h.num_frames > lim.max_frames:
-        raise too_big(f"{h.num_frames} frames exceed max_frames {lim.max_frames}")
-    if h.num_frames > h.total_bytes:
-        raise invalid(f"{h.num_frames} frames cannot carry {h.total_bytes} bytes")
-    buf = bytearray(h.total_bytes)
-    mv, pos = memoryview(buf), 0
-    for seq in range(1, h.num_frames + 1):
-        f = await anext(frames, None)
-        if f is None:
-            raise invalid(f"truncated Put: stream ended after {seq - 1} of {h.num_frames} frames")
-        check_known(f)
-        if f.WhichOneof("body") != "data" or f.seq != seq:
-            raise invalid(f"frame out of order: expected data frame {seq}, got "
-                          f"{f.WhichOneof('body')} frame {f.seq}")
-        n = len(f.data)
-        if n > lim.max_frame_bytes:
-            raise too_big(f"frame {seq} has {n} bytes; max_frame_bytes is {lim.max_frame_bytes}")
-        if n == 0 or pos + n > h.total_bytes:
-            raise invalid(f"frame {seq} ({n} bytes) does not fit the header's total_bytes {h.total_bytes}")
-        mv[pos:pos + n] = f.data
-        pos += n
-    if await anext(frames, None) is not None:
-        raise invalid(f"more frames than the header's num_frames {h.num_frames}")
-    if pos != h.total_bytes:
-        raise invalid(f"payload is {pos} bytes, the header says {h.total_bytes}")
-    try:
-        seg = KVSegment.decode(buf, verify=True)
-    except SegmentError as e:
-        raise invalid(f"malformed segment: {e}") from None
-    if seg.key != h.key:
-        raise invalid("the segment's own key differs from the Put header's key")
-    return h.key, seg
+        yield wire.encode(pb.PutFrame(seq=seq), 3, c)
 
 
 @dataclass(slots=True)
@@ -194,7 +117,7 @@ class Assembly:
     filled: int = 0  # bytes of that layer so far
 
     @staticmethod
-    def start(f: pb.SegmentFrame, max_bytes: int, per_layer: bool = False, out=None) -> "Assembly":
+    def start(f: wire.SegmentFrame, max_bytes: int, per_layer: bool = False, out=None) -> "Assembly":
         """From a HEADER frame. In whole mode an uncompressed payload lands in `out` (a CPU
         tensor or writable buffer) when given, else in a new buffer."""
         if f.kind != pb.SegmentFrame.HEADER:
@@ -209,16 +132,16 @@ class Assembly:
     def _at(self) -> int:
         return 0 if self.per_layer else self.header.layers[self.layer][0] - self.header.header_nbytes
 
-    def add(self, f: pb.SegmentFrame) -> int | None:
+    def add(self, f: wire.SegmentFrame) -> int | None:
         """Append a LAYER frame; the layer's index when that layer is now complete."""
         if self.done or f.kind != pb.SegmentFrame.LAYER or f.layer != self.layer:
             raise SegmentError(f"unexpected frame (kind {f.kind}, layer {f.layer}) at layer {self.layer}")
-        n = self.header.layers[self.layer][1]
-        if self.filled + len(f.data) > n:
+        n, data = self.header.layers[self.layer][1], f.data  # one read: each read copies
+        if self.filled + len(data) > n:
             raise SegmentError(f"layer {self.layer}: frames exceed its {n} bytes")
         at = self._at() + self.filled
-        self.dst[at:at + len(f.data)] = f.data
-        self.filled += len(f.data)
+        self.dst[at:at + len(data)] = data
+        self.filled += len(data)
         if self.filled < n:
             return None
         self.layer, self.filled = self.layer + 1, 0

@@ -21,8 +21,9 @@ from grpc_reflection.v1alpha import reflection
 
 from cacheserver.auth import Auth
 from cacheserver.config import ServerConfig
-from cacheserver.frames import (BadRequest, PutLimits, check_keys, check_known, cut, parser, receive_put,
-                                too_big, wire)
+from cacheserver import wire
+from cacheserver.frames import BadRequest, check_keys, check_known, cut, parser, too_big
+from cacheserver.receive import BufferPool, PutLimits, receive_put
 from cacheserver.metrics import Metrics
 from proto import tierkv_pb2 as pb
 from proto import tierkv_pb2_grpc as pb_grpc
@@ -54,11 +55,13 @@ class Servicer(pb_grpc.TierKVServicer):
     config: ServerConfig
     metrics: Metrics
     auth: Auth = field(init=False)
+    pool: BufferPool = field(init=False)
     streams: int = 0
     counters: dict[str, NsCounters] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.auth = Auth(self.config.tokens)
+        self.pool = BufferPool(self.config.recv_pool_bytes)
 
     def _ns(self, ns: str) -> NsCounters:
         return self.counters.setdefault(ns, NsCounters())
@@ -102,12 +105,13 @@ class Servicer(pb_grpc.TierKVServicer):
             self._ns(ns).lookups += 1
             return pb.LookupResponse(present=present, tier=where, prefix_len=prefix)
 
-    async def Put(self, request_iterator: AsyncIterator[pb.PutFrame], context) -> pb.PutResponse:
+    async def Put(self, request_iterator: AsyncIterator[wire.PutFrame], context) -> pb.PutResponse:
         async with self._call("Put", context, stream=True) as ns:
             lim = PutLimits(self.config.max_segment_bytes, self.config.max_frame_bytes, self.config.max_frames)
-            key, seg = await receive_put(request_iterator, lim)
+            key, seg, buf = await receive_put(request_iterator, lim, self.pool)
             # Shielded: once whole and valid, a put completes even if the caller or SIGTERM cancels.
             stored = await asyncio.shield(self.store.put(key, seg, ns))
+            self.pool.give(buf)  # the store copied it (not reached if cancelled mid-put)
             c = self._ns(ns)
             c.puts += 1
             c.bytes_in += seg.nbytes
@@ -139,7 +143,7 @@ class Servicer(pb_grpc.TierKVServicer):
                 sent += len(head)
             tag = pb.SegmentFrame(index=index, kind=pb.SegmentFrame.LAYER, layer=chunk.layer)
             for data in cut(memoryview(chunk.data).cast("B"), frame):
-                yield wire(tag, 4, data)
+                yield wire.encode(tag, 4, data)
             sent += len(chunk.data)
             layers = chunk.layer
         if sent == 0 or layers + 1 != h.num_layers:
@@ -211,8 +215,10 @@ def add_servicer(servicer: Servicer, server: grpc.aio.Server) -> None:
               (False, True): grpc.unary_stream_rpc_method_handler}
     def serializer(m) -> Callable:  # streamed frames leave the handler already serialized
         return _identity if m.server_streaming else getattr(pb, m.output_type.name).SerializeToString
+    def deserializer(m) -> Callable:  # Put frames are read in place (see cacheserver.wire)
+        return wire.parse_put if m.client_streaming else parser(getattr(pb, m.input_type.name))
     handlers = {m.name: makers[(m.client_streaming, m.server_streaming)](
-        getattr(servicer, m.name), request_deserializer=parser(getattr(pb, m.input_type.name)),
+        getattr(servicer, m.name), request_deserializer=deserializer(m),
         response_serializer=serializer(m)) for m in svc.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(svc.full_name, handlers),))
 
