@@ -135,7 +135,10 @@ class SegmentHeader:
         at, raw = 0, h.layer_raw_nbytes
         for i in range(nl):
             off, n, ck = LAYER.unpack_from(mv, pos + i * LAYER.size)
-            if off != at or n == 0 or (h.codec == "none" and n != raw) or n > raw + raw // 8 + 1024:
+            # lz4 expands by at most 1/255 and shrinks by at most 255x: this bounds what a
+            # crafted header can make a reader allocate to 255x the bytes it really sent
+            if (off != at or n == 0 or (h.codec == "none" and n != raw) or n > raw + raw // 8 + 1024
+                    or raw > 255 * n + 64):
                 raise SegmentError(f"layer {i}: offset {off} length {n} do not match shape "
                                    f"(expected offset {at}, raw length {raw}, codec {h.codec})")
             h.layers.append((hn + off, n)); h.checksums.append(ck); at += n

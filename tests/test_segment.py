@@ -111,6 +111,18 @@ def test_shape_mismatch_in_header_table():
         SegmentHeader.decode(h.encode())
 
 
+def test_crafted_header_cannot_ask_for_a_huge_allocation():
+    # a valid-checksum header claiming 64 layers of 16M tokens, each "compressed" to 16 bytes
+    seg = make(codec="lz4")
+    h = seg.header([16, 16])
+    h.num_tokens = 1 << 24
+    h.tokens = np.zeros(1 << 24, np.int32)
+    h.header_nbytes = -(-(h.header_nbytes + 4 * (1 << 24)) // 64) * 64
+    h.layers = [(h.header_nbytes, 16), (h.header_nbytes + 16, 16)]
+    with pytest.raises(SegmentError, match="do not match shape"):
+        SegmentHeader.decode(h.encode())
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(kv=torch.zeros(2, 3, 4, 1, 1)), r"\[L, 2, T, H, D\]"),
     (dict(kv=torch.zeros(2, 2, 4, 1, 1, dtype=torch.int32)), "unsupported kv dtype"),
