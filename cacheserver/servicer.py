@@ -1,0 +1,195 @@
+"""The TierKV servicer: each RPC over the tiered store, in the caller's namespace.
+
+Safety contract: the namespace of every call comes from Auth (the caller's token); a Put
+reaches the store only after its whole stream was received and its segment decoded,
+checksummed and matched to the header key, so a refused or cut stream stores nothing;
+a refused request gets INVALID_ARGUMENT / RESOURCE_EXHAUSTED / UNAUTHENTICATED with a
+message and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from cacheserver import wire
+from cacheserver.auth import Auth
+from cacheserver.config import ServerConfig
+from cacheserver.frames import BadRequest, check_keys, check_known, cut, too_big
+from cacheserver.metrics import Metrics
+from cacheserver.receive import BufferPool, PutLimits, receive_put
+from proto import tierkv_pb2 as pb
+from proto import tierkv_pb2_grpc as pb_grpc
+from storage_backends.base import LayerChunk
+from storage_backends.segment import KVSegment
+from storage_backends.store import TieredStore
+
+
+@dataclass(slots=True)
+class NsCounters:
+    """What one namespace did; Stats reports only the caller's."""
+    lookups: int = 0
+    puts: int = 0
+    gets: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    hits: dict[str, int] = field(default_factory=dict)  # tier -> gets it served
+    misses: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Servicer(pb_grpc.TierKVServicer):
+    store: TieredStore
+    config: ServerConfig
+    metrics: Metrics
+    auth: Auth = field(init=False)
+    pool: BufferPool = field(init=False)
+    streams: int = 0
+    counters: dict[str, NsCounters] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.auth = Auth(self.config.tokens)
+        self.pool = BufferPool(self.config.recv_pool_bytes)
+
+    def _ns(self, ns: str) -> NsCounters:
+        return self.counters.setdefault(ns, NsCounters())
+
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, context: grpc.aio.ServicerContext, stream: bool = False):
+        """Auth, the stream limit, refusals as statuses, and the RPC's metrics, in one place."""
+        t0, code = time.perf_counter(), "OK"
+        ns = await self.auth.require(context)
+        held = False
+        try:
+            if stream:
+                if self.streams >= self.config.max_streams:
+                    raise too_big(f"{self.streams} streams in flight; max_streams is {self.config.max_streams}")
+                self.streams, held = self.streams + 1, True
+            yield ns
+        except BadRequest as e:
+            code = e.code.name
+            self.metrics.rejected.labels(e.reason).inc()
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            if held:
+                self.streams -= 1
+            self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - t0)
+            self.metrics.rpc_total.labels(method, code).inc()
+
+    async def _where(self, keys: list[bytes], ns: str) -> list[str]:
+        """Name of the fastest tier holding each key ('' when none)."""
+        return ["" if i is None else self.store.tiers[i].name for i in await self.store.locate(keys, ns)]
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        async with self._call("Lookup", context) as ns:
+            check_known(request)
+            keys = check_keys(request.keys, self.config.max_keys)
+            where = await self._where(keys, ns)
+            present = [bool(w) for w in where]
+            prefix = next((i for i, p in enumerate(present) if not p), len(present))
+            self._ns(ns).lookups += 1
+            return pb.LookupResponse(present=present, tier=where, prefix_len=prefix)
+
+    async def Put(self, request_iterator: AsyncIterator[wire.PutFrame], context) -> pb.PutResponse:
+        async with self._call("Put", context, stream=True) as ns:
+            lim = PutLimits(self.config.max_segment_bytes, self.config.max_frame_bytes, self.config.max_frames)
+            key, seg, buf = await receive_put(request_iterator, lim, self.pool)
+            # Shielded: once whole and valid, a put completes even if the caller or SIGTERM cancels.
+            stored = await asyncio.shield(self.store.put(key, seg, ns))
+            self.pool.give(buf)  # the store copied it (not reached if cancelled mid-put)
+            c = self._ns(ns)
+            c.puts += 1
+            c.bytes_in += seg.nbytes
+            self.metrics.wire_bytes.labels("in").inc(seg.nbytes)
+            return pb.PutResponse(stored=bool(stored))
+
+    async def _layers(self, key: bytes, ns: str) -> tuple[str, AsyncIterator[LayerChunk]]:
+        """The tier holding key and its layers: streamed from the fastest tier, or read
+        whole (and so promoted) from a slower one."""
+        [at] = await self.store.locate([key], ns)
+        if at is None:
+            return "", _none()
+        if at == 0:
+            return self.store.tiers[0].name, self.store.get_layers(key, ns)
+        seg = await self.store.get(key, ns)
+        return self.store.tiers[at].name, _from_segment(seg)
+
+    async def _frames(self, index: int, key: bytes, ns: str) -> AsyncIterator[bytes]:
+        """The serialized SegmentFrames of one key (see `wire`: one copy from tier memory)."""
+        where, chunks = await self._layers(key, ns)
+        c, frame, sent, layers = self._ns(ns), self.config.max_frame_bytes, 0, -1
+        c.gets += 1
+        async for chunk in chunks:
+            h = chunk.header
+            if chunk.layer == 0:
+                head = h.encode()
+                yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.HEADER, data=head,
+                                      total_bytes=h.nbytes, tier=where).SerializeToString()
+                sent += len(head)
+            tag = pb.SegmentFrame(index=index, kind=pb.SegmentFrame.LAYER, layer=chunk.layer)
+            for data in cut(memoryview(chunk.data).cast("B"), frame):
+                yield wire.encode(tag, 4, data)
+            sent += len(chunk.data)
+            layers = chunk.layer
+        if sent == 0 or layers + 1 != h.num_layers:
+            # Absent, or the tier failed midway: MISS tells the client to drop what it has.
+            c.misses += 1
+            yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.MISS).SerializeToString()
+            return
+        c.hits[where] = c.hits.get(where, 0) + 1
+        c.bytes_out += sent
+        self.metrics.wire_bytes.labels("out").inc(sent)
+
+    async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[bytes]:
+        async with self._call("Get", context, stream=True) as ns:
+            check_known(request)
+            key = check_keys([request.key], 1)[0]
+            async for f in self._frames(0, key, ns):
+                yield f
+
+    async def GetMany(self, request: pb.GetManyRequest, context) -> AsyncIterator[bytes]:
+        async with self._call("GetMany", context, stream=True) as ns:
+            check_known(request)
+            for i, key in enumerate(check_keys(request.keys, self.config.max_keys)):
+                async for f in self._frames(i, key, ns):
+                    yield f
+
+    async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
+        async with self._call("Delete", context) as ns:
+            check_known(request)
+            keys = check_keys(request.keys, self.config.max_keys)
+            return pb.DeleteResponse(deleted=[bool(await self.store.delete(k, ns)) for k in keys])
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        async with self._call("Stats", context) as ns:
+            check_known(request)
+            c = self._ns(ns)
+            tiers = []
+            for t in self.store.tiers:
+                s = t.stats()
+                count = await t.scan_count(ns) if hasattr(t, "scan_count") else t.count(ns)
+                tiers.append(pb.TierStats(name=t.name, count=count, used_bytes=s.used_bytes,
+                                          capacity_bytes=s.capacity_bytes, hits=c.hits.get(t.name, 0),
+                                          misses=c.misses, evictions=s.evictions, errors=s.errors))
+            return pb.StatsResponse(namespace=ns, tiers=tiers, lookups=c.lookups, puts=c.puts, gets=c.gets,
+                                    bytes_in=c.bytes_in, bytes_out=c.bytes_out)
+
+
+async def _none() -> AsyncIterator[LayerChunk]:
+    return
+    yield
+
+
+async def _from_segment(seg: KVSegment | None) -> AsyncIterator[LayerChunk]:
+    if seg is None:
+        return
+    h, _, blobs = seg.encode_parts()
+    for i, b in enumerate(blobs):
+        yield LayerChunk(h, i, memoryview(b).cast("B"))
