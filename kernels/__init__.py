@@ -44,7 +44,17 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Ten
               length: int, out: torch.Tensor, k_scale: torch.Tensor | None = None,
               v_scale: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> None:
     """Copy tokens [start, start+length) of one request out of one layer's cache into
-    out [2, length, Hkv, D]. An fp8 `out` also fills out_scales [2, Hkv]."""
+    out [2, length, Hkv, D]. An fp8 `out` also fills out_scales [2, Hkv]. `out` may live on
+    another device (a CPU staging buffer): the copy then goes through the cache's device."""
+    block_ids = block_ids.to(k_cache.device)
+    if out.device != k_cache.device:
+        tmp = torch.empty(out.shape, dtype=out.dtype, device=k_cache.device)
+        tmp_sc = None if out_scales is None else torch.empty(out_scales.shape, device=k_cache.device)
+        gather_kv(k_cache, v_cache, block_ids, start, length, tmp, k_scale, v_scale, tmp_sc)
+        out.copy_(tmp)
+        if tmp_sc is not None:
+            out_scales.copy_(tmp_sc)
+        return None
     if use_triton(k_cache):
         from kernels.triton_kv import gather_kv_triton
         return gather_kv_triton(k_cache, v_cache, block_ids, start, length, out, k_scale, v_scale, out_scales)
@@ -54,7 +64,11 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Ten
 def scatter_kv(src: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                start: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                src_scales: torch.Tensor | None = None) -> None:
-    """Copy src [2, length, Hkv, D] into tokens [start, start+length) of a request's blocks."""
+    """Copy src [2, length, Hkv, D] (on any device) into tokens [start, start+length) of a
+    request's blocks."""
+    block_ids = block_ids.to(k_cache.device)
+    src = src.to(k_cache.device)
+    src_scales = None if src_scales is None else src_scales.to(k_cache.device)
     if use_triton(k_cache):
         from kernels.triton_kv import scatter_kv_triton
         return scatter_kv_triton(src, k_cache, v_cache, block_ids, start, k_scale, v_scale, src_scales)
