@@ -88,26 +88,39 @@ class _Workspace(threading.local):
 _WS = _Workspace()
 
 
-def gather_heads(cache: torch.Tensor, block_tables: torch.Tensor, length: int, slot: int = 0) -> torch.Tensor:
-    """Keys [0, length) of each row of block_tables as [B, H, length, D] (SDPA's layout), in
-    one index_select into workspace `slot`. The result is overwritten by the next call."""
-    nb, bs, h, d = cache.shape
-    nblk = -(-length // bs)
-    bt = block_tables[:, :nblk].long().clamp(0, nb - 1)  # padding entries may hold anything
-    slots = (bt[:, :, None] * bs + torch.arange(bs, device=cache.device)).flatten(1)[:, :length]
-    rows = (slots[:, None, :] * h + torch.arange(h, device=cache.device)[None, :, None]).flatten()
+def head_rows(block_tables: torch.Tensor, length: int, num_blocks: int, block_size: int,
+              heads: int) -> torch.Tensor:
+    """Row ids into a cache viewed as [num_blocks * block_size * heads, D] that lay keys
+    [0, length) of each block table out as [B, heads, length] (SDPA's layout)."""
+    nblk = -(-length // block_size)
+    bt = block_tables[:, :nblk].long().clamp(0, num_blocks - 1)  # padding entries may hold anything
+    dev = bt.device
+    rows = (bt[:, None, :, None] * (block_size * heads) + torch.arange(heads, device=dev)[None, :, None, None]
+            + torch.arange(0, block_size * heads, heads, device=dev))
+    return rows.flatten(2)[:, :, :length].reshape(-1)
+
+
+def gather_heads(cache: torch.Tensor, rows: torch.Tensor, batch: int, length: int, slot: int) -> torch.Tensor:
+    """cache rows `rows` as [batch, H, length, D], in one index_select into workspace `slot`
+    (overwritten by the next call with that slot)."""
+    d = cache.shape[3]
     out = _WS.get(slot, rows.numel() * d, cache.dtype, cache.device).view(-1, d)
     src = cache.view(torch.uint8) if is_fp8(cache) else cache  # CPU index_select lacks fp8
     torch.index_select(src.reshape(-1, d), 0, rows, out=out.view(src.dtype))
-    return out.view(bt.shape[0], h, length, d)
+    return out.view(batch, cache.shape[2], length, d)
 
 
-def _dense(cache: torch.Tensor, bt: torch.Tensor, length: int, scale: torch.Tensor | None,
-           dtype: torch.dtype, slot: int) -> torch.Tensor:
-    x = gather_heads(cache, bt, length, slot)
-    if is_fp8(cache):
-        return (x.float() * scale.view(1, -1, 1, 1)).to(dtype)
-    return x if x.dtype == dtype else x.to(dtype)
+def _dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, bt: torch.Tensor, length: int,
+              k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = head_rows(bt, length, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2])
+    out = []
+    for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+        x = gather_heads(cache, rows, bt.shape[0], length, i)
+        if is_fp8(cache):
+            x = (x.float() * scale.view(1, -1, 1, 1)).to(dtype)
+        out.append(x if x.dtype == dtype else x.to(dtype))
+    return out[0], out[1]
 
 
 def _decode(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -116,9 +129,10 @@ def _decode(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     is folded into the query length, which CPU SDPA runs far faster than enable_gqa."""
     b, hq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
-    j = torch.arange(t, device=q.device)
-    mask = ((j < lens[:, None]) & (j <= pos[:, None]))[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k, v, attn_mask=mask, scale=scale)
+    visible = torch.minimum(lens, pos + 1)  # key j is seen iff j < seq_len and j <= pos
+    mask = torch.arange(t, device=q.device) < visible[:, None]
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k, v,
+                                         attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(b, hq, d)
 
 
@@ -155,14 +169,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     dec = torch.nonzero((counts == 1) & (lens > 0)).flatten()
     if dec.numel():
         t = int(lens[dec].max())
-        k = _dense(k_cache, block_tables[dec], t, k_scale, q.dtype, 0)
-        v = _dense(v_cache, block_tables[dec], t, v_scale, q.dtype, 1)
+        k, v = _dense_kv(k_cache, v_cache, block_tables[dec], t, k_scale, v_scale, q.dtype)
         rows = cu[dec]
         out[rows] = _decode(q[rows], pos[rows], k, v, lens[dec], scale)
     # A sequence with no keys has nothing to attend to: its rows stay zero.
     for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist():
         s, e, t = int(cu[b]), int(cu[b + 1]), int(lens[b])
-        k = _dense(k_cache, block_tables[b:b + 1], t, k_scale, q.dtype, 0)
-        v = _dense(v_cache, block_tables[b:b + 1], t, v_scale, q.dtype, 1)
+        k, v = _dense_kv(k_cache, v_cache, block_tables[b:b + 1], t, k_scale, v_scale, q.dtype)
         out[s:e] = _prefill(q[s:e], pos[s:e], k, v, t, scale)
     return out
