@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from kernels import fp8_scales, paged_attention, use_triton, write_kv
 
 FP8 = torch.float8_e4m3fn
-FP8_HEADROOM = 2.0  # scales from the first batch's amax, doubled so later tokens rarely saturate
+FP8_HEADROOM = 2.0
+DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of its longest  # scales from the first batch's amax, doubled so later tokens rarely saturate
 
 
 def bucket(n: int) -> int:
@@ -51,7 +52,7 @@ class Context:
     logits_indices: torch.Tensor  # int64 rows whose logits are sampled (padded to a bucket)
     num_sampled: int
     all: PagedBatch  # every sequence (what the connector and the Triton path see)
-    paged: PagedBatch | None  # the sequences not in `fresh`; None when there are none
+    paged: list[PagedBatch]  # the sequences not in `fresh`, in kernel calls
     fresh: list[tuple[int, int]]  # row ranges of whole prompts with no cached prefix (causal SDPA)
     seq_ids: list[int]  # seq_id of each sequence
     block_ids: list[list[int]]  # block table of each sequence (valid during this step only)
@@ -106,20 +107,26 @@ class ModelRunner:
         lens = start_t + count_t
         full = PagedBatch(None, tables.to(dev), lens.to(torch.int32).to(dev), cu.to(torch.int32).to(dev),
                           positions.to(torch.int32).to(dev), max(counts), int(lens.max()))
-        # Whole prompts with nothing cached attend only to themselves: causal SDPA, no gather.
-        # The Triton path (CUDA, or the interpreter in tests) runs everything through the kernel.
-        is_fresh = (start_t == 0) & (count_t > 1) & torch.tensor(not use_triton(torch.empty(0, device=dev)))
-        fresh = [(int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()]
-        paged = full if not fresh else None
-        if fresh and not bool(is_fresh.all()):
-            keep = ~is_fresh
-            kc = count_t[keep]
-            kcu = torch.zeros(int(keep.sum()) + 1, dtype=torch.int64)
-            kcu[1:] = kc.cumsum(0)
-            rows = torch.nonzero(keep[row]).flatten()
-            paged = PagedBatch(rows.to(dev), tables[keep].to(dev), lens[keep].to(torch.int32).to(dev),
-                               kcu.to(torch.int32).to(dev), positions[rows].to(torch.int32).to(dev),
-                               int(kc.max()), int(lens[keep].max()))
+        if use_triton(tables.to(dev)):  # the Triton kernel takes the whole step at once
+            fresh, paged = [], [full]
+        else:
+            # Torch path. Whole prompts with nothing cached attend only to themselves: causal SDPA,
+            # no gather. The reference pads a decode batch to its longest sequence, so decodes go in
+            # groups of similar length; chunks over a cached prefix go in one more call.
+            is_fresh = (start_t == 0) & (count_t > 1)
+            fresh = [(int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()]
+            dec = sorted((i for i in range(b) if counts[i] == 1), key=lambda i: -starts[i])
+            groups, cur = [], []
+            for i in dec:
+                if cur and (starts[i] + 1) * DECODE_GROUP_RATIO < starts[cur[0]] + 1:
+                    groups.append(cur)
+                    cur = []
+                cur.append(i)
+            groups += [cur] if cur else []
+            groups += [g] if (g := torch.nonzero(~is_fresh & (count_t > 1)).flatten().tolist()) else []
+            paged = [self._batch(g, tables, lens, count_t, cu, positions) for g in groups]
+            if len(paged) == 1 and paged[0].rows.numel() == n:
+                paged = [full]
         self.ctx = Context(
             input_ids=F.pad(torch.tensor(ids), (0, pad)).to(dev), positions=F.pad(positions, (0, pad)).to(dev),
             slot_mapping=F.pad(slots, (0, pad), value=-1).to(dev), num_tokens=n,
@@ -127,6 +134,19 @@ class ModelRunner:
             num_sampled=len(sampled), all=full, paged=paged, fresh=fresh,
             seq_ids=[s.seq_id for s in out.seqs], block_ids=[list(s.block_table) for s in out.seqs])
         return self.ctx
+
+    def _batch(self, idx: list[int], tables: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor,
+               cu: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
+        sel = torch.tensor(idx)
+        c = counts[sel]
+        kcu = torch.zeros(len(idx) + 1, dtype=torch.int64)
+        kcu[1:] = c.cumsum(0)
+        rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in idx])
+        width = max(1, int((lens[sel].max() + self.config.block_size - 1) // self.config.block_size))
+        dev = self.device
+        return PagedBatch(rows.to(dev), tables[sel, :width].to(dev), lens[sel].to(torch.int32).to(dev),
+                          kcu.to(torch.int32).to(dev), positions[rows].to(torch.int32).to(dev),
+                          int(c.max()), int(lens[sel].max()))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx, cache = self.ctx, self.kv_caches[layer]
@@ -143,8 +163,7 @@ class ModelRunner:
             out[s:e] = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True).transpose(0, 1)
-        p = ctx.paged
-        if p is not None:
+        for p in ctx.paged:
             qp = q[:n] if p.rows is None else q[p.rows]
             o = paged_attention(qp, cache[0], cache[1], p.block_tables, p.seq_lens, p.cu_seqlens_q,
                                 p.q_positions, self.scale, ks, vs, max_seqlen_q=p.max_seqlen_q,

@@ -60,7 +60,7 @@ ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.in
                          st.lists(st.integers(0, 1), min_size=1, max_size=12)), max_size=40)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(2, 12), st.booleans(), ops)
 def test_random_workload_keeps_invariants(num_blocks, prefix, script):
     bm, live, next_id = BlockManager(num_blocks, BS, prefix), [], [0]

@@ -83,8 +83,8 @@ def test_prefill_logits_match(tmp_path, kind, over, prompts):
 
 def test_greedy_alone_and_batched(ckpt, prompts, hf_tokens):
     llm = LLM(ckpt[0], dtype="fp32", kv_cache_bytes=1 << 22, enable_prefix_caching=False)
-    for p, ref in zip(prompts, hf_tokens):
-        assert llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids == ref
+    for i in (0, 2, 4):  # alone: shortest, middle, longest
+        assert llm.generate([prompts[i]], GREEDY, use_tqdm=False)[0].token_ids == hf_tokens[i]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_tokens
     assert all(o.metrics.prompt_tokens == len(p) and o.metrics.cached_tokens == 0 for o, p in zip(outs, prompts))
@@ -149,7 +149,7 @@ import json, sys
 from engine import LLM, SamplingParams
 prompts = json.loads(sys.argv[2])
 llm = LLM(sys.argv[1], dtype="fp32", kv_cache_bytes=1 << 20, max_num_batched_tokens=24)
-outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 print(json.dumps([o.token_ids for o in outs]))
 """
 
@@ -157,12 +157,12 @@ print(json.dumps([o.token_ids for o in outs]))
 def test_triton_interpreter_matches_torch_path(ckpt, prompts):
     # TRITON_INTERPRET must be set before triton is imported, so the Triton run is a subprocess.
     # fp32 only: under the interpreter a bf16 tl.dot gives garbage.
-    small = [p[:n] for p, n in zip(prompts[1:4], (17, 9, 30))]
+    small = [p[:n] for p, n in zip(prompts[1:4], (17, 9, 30))]  # chunked (budget 24), decode, mixed
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(ckpt[0]), json.dumps(small)],
                          env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     triton_tokens = json.loads(res.stdout.strip().splitlines()[-1])
     llm = LLM(ckpt[0], dtype="fp32", kv_cache_bytes=1 << 20, max_num_batched_tokens=24)
-    outs = llm.generate(small, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(small, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert triton_tokens == [o.token_ids for o in outs]

@@ -66,7 +66,7 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "lock", "unlock", "
                max_size=40)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(ops)
 def test_against_prefix_dict(script):
     t, ref, next_block, locks = RadixTree(BS), {}, [100], []
