@@ -172,7 +172,7 @@ async def main() -> None:
     sizes, conc = [4, 32], [1, 4]
     repeat = 3 if args.quick else 7
     redis = RedisProcess(extra=["--maxmemory", "4gb"]).start()
-    cpu_srv = ServerProcess(args=["--cpu-bytes", "1GiB", "--disk-bytes", "0"]).start()
+    cpu_srv = ServerProcess(args=["--cpu-bytes", "2GiB", "--disk-bytes", "0"]).start()  # holds every round
     redis_srv = ServerProcess(args=["--cpu-bytes", "0", "--disk-bytes", "0", "--redis-url", redis.url,
                                     "--redis-timeout-s", "10"]).start()
     rows = []

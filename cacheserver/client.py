@@ -34,6 +34,7 @@ from storage_backends.segment import KVSegment, SegmentError, decode_layer
 
 log = logging.getLogger("tierkv.remote")
 MiB = 1 << 20
+LOOKUP_BATCH = 1024  # keys per Lookup call in contains()
 
 
 def _identity(b: bytes) -> bytes:
@@ -124,8 +125,11 @@ class RemoteTier(Tier):
         return await self._retry("lookup", lambda: self.stub.Lookup(req, **self._opts()))
 
     async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
-        r = await self.lookup(keys, ns) if keys else None
-        return list(r.present) if r is not None else [False] * len(keys)
+        found: list[bool] = []
+        for i in range(0, len(keys), LOOKUP_BATCH):  # within the server's max_keys
+            r = await self.lookup(keys[i:i + LOOKUP_BATCH], ns)
+            found += list(r.present) if r is not None else [False] * len(keys[i:i + LOOKUP_BATCH])
+        return found
 
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
         check_namespace(ns)
