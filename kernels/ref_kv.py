@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import FP8, convert, fp8_scales, is_fp8
+from kernels.fp8 import convert, fp8_scales, is_fp8
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -115,4 +115,4 @@ def layer_scales(scales: torch.Tensor | None, layer: int) -> tuple[torch.Tensor 
     return scales[layer, 0], scales[layer, 1]
 
 
-__all__ = ["FP8", "gather_kv_ref", "scatter_kv_ref", "write_kv_ref", "token_slots", "layer_scales"]
+__all__ = ["gather_kv_ref", "scatter_kv_ref", "write_kv_ref", "token_slots", "layer_scales"]

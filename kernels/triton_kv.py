@@ -199,4 +199,4 @@ def scatter_kv_triton(src: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _move(cache, src[i], block_ids, start, length, src_sc, dst_sc, False)
 
 
-__all__ = ["FP8", "gather_kv_triton", "scatter_kv_triton", "write_kv_triton"]
+__all__ = ["gather_kv_triton", "scatter_kv_triton", "write_kv_triton"]

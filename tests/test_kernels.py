@@ -7,7 +7,6 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from kernels import (FP8, dequantize_fp8, fp8_scales, gather_kv, gather_kv_layers, paged_attention,
