@@ -172,12 +172,15 @@ class Servicer(pb_grpc.TierKVServicer):
             check_known(request)
             c = self._ns(ns)
             tiers = []
-            for t in self.store.tiers:
+            names = [t.name for t in self.store.tiers]
+            for i, t in enumerate(self.store.tiers):
                 s = t.stats()
                 count = await t.scan_count(ns) if hasattr(t, "scan_count") else t.count(ns)
+                # A tier missed every get that a slower tier served or that no tier could.
+                missed = c.misses + sum(c.hits.get(n, 0) for n in names[i + 1:])
                 tiers.append(pb.TierStats(name=t.name, count=count, used_bytes=s.used_bytes,
                                           capacity_bytes=s.capacity_bytes, hits=c.hits.get(t.name, 0),
-                                          misses=c.misses, evictions=s.evictions, errors=s.errors))
+                                          misses=missed, evictions=s.evictions, errors=s.errors))
             return pb.StatsResponse(namespace=ns, tiers=tiers, lookups=c.lookups, puts=c.puts, gets=c.gets,
                                     bytes_in=c.bytes_in, bytes_out=c.bytes_out)
 

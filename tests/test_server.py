@@ -61,6 +61,10 @@ async def test_round_trip_cpu_and_disk_restart(server: ServerProcess) -> None:
     await check_round_trip(tier, segs[1:], "disk")  # the channel reconnects by itself
     # A hit on disk was promoted: the cpu tier serves it now.
     assert list((await tier.lookup([segs[1].key])).tier) == ["cpu"]
+    assert await tier.get(segs[0].key) is None
+    st = {t.name: (t.hits, t.misses, t.count) for t in (await tier.server_stats()).tiers}
+    # Per tier since the restart: 4 gets from disk, then 4 layer streams from cpu, one miss.
+    assert st == {"cpu": (4, 5, 4), "disk": (4, 1, 4)}
     await tier.close()
 
 
