@@ -18,15 +18,19 @@ from typing import AsyncIterator, Sequence
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ClusterDownError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry
 
 from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
                                    check_namespace)
+from storage_backends.buffers import copy_into
 from storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, decode_layer
 
 log = logging.getLogger("tierkv.redis")
-_FAULTS = (RedisError, OSError, asyncio.TimeoutError)
+# Redis unreachable or too slow: these start a backoff. Other RedisErrors are one refused call.
+_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, OSError, asyncio.TimeoutError)
 
 
 @dataclass(slots=True)
@@ -85,10 +89,8 @@ class RedisTier(Tier):
         self.counters.errors += 1
         h.pause = min(c.max_backoff_s, max(c.backoff_s, h.pause * 2))
         h.until, h.down = now + h.pause, True
-        if now - h.last_log >= c.log_interval_s:
-            h.last_log = now
-            log.warning("redis tier unavailable (%s: %s: %s); misses until it answers, next try in %.1fs",
-                        op, type(e).__name__, e, h.pause)
+        self._log(f"redis tier unavailable ({op}: {type(e).__name__}: {e}); misses until it answers, "
+                  f"next try in {h.pause:.1f}s")
 
     def _ok(self) -> None:
         h = self.health
@@ -97,14 +99,25 @@ class RedisTier(Tier):
         h.down, h.pause = False, 0.0
 
     async def _call(self, op: str, coro):
-        """Await one Redis call within the timeout; None (and backoff) on any fault."""
+        """Await one Redis call within the timeout; None on any fault. Only an unreachable or
+        slow Redis starts a backoff; a refused command (e.g. OOM under maxmemory) does not."""
         try:
             out = await asyncio.wait_for(coro, self.config.timeout_s)
-        except _FAULTS as e:
+        except _DOWN as e:
             self._fault(op, e)
+            return None
+        except RedisError as e:
+            self.counters.errors += 1
+            self._log(f"redis tier: {op} refused ({type(e).__name__}: {e})")
             return None
         self._ok()
         return out
+
+    def _log(self, line: str) -> None:
+        now = time.monotonic()
+        if now - self.health.last_log >= self.config.log_interval_s:
+            self.health.last_log = now
+            log.warning("%s", line)
 
     async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
         names = [self._key(k, ns) for k in keys]
@@ -134,7 +147,7 @@ class RedisTier(Tier):
             await self._corrupt(name, e)
             return None
         if out is not None:
-            seg = _into(seg, out)
+            seg = copy_into(seg, seg.header(), out)
         self.counters.hits += 1
         self.counters.bytes_out += len(value)
         self.get_lat.add(time.perf_counter() - t0)
@@ -228,19 +241,5 @@ class RedisTier(Tier):
     async def close(self) -> None:
         try:
             await self.client.aclose()
-        except _FAULTS:
+        except (RedisError, OSError):
             pass
-
-
-def _into(seg: KVSegment, out) -> KVSegment:
-    """Copy seg's payload into the caller's buffer or tensor and return a segment viewing it."""
-    import torch
-
-    dst = out if isinstance(out, torch.Tensor) else torch.frombuffer(out, dtype=torch.uint8)
-    flat = dst.reshape(-1).view(torch.uint8)
-    raw = seg.payload.reshape(-1).view(torch.uint8)
-    if flat.numel() < raw.numel():
-        raise ValueError(f"out holds {flat.numel()} bytes, the payload needs {raw.numel()}")
-    flat[:raw.numel()].copy_(raw)
-    seg.payload = flat[:raw.numel()].view(seg.payload.dtype).view(seg.payload.shape)
-    return seg

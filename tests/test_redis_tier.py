@@ -157,3 +157,18 @@ async def _eventually(fn, want=True, timeout: float = 10.0):
             return True
         await asyncio.sleep(0.1)
     return False
+
+
+async def test_refused_command_is_not_an_outage(redis_proc: RedisProcess) -> None:
+    """Redis at maxmemory refuses writes: a False put, counted, but no backoff for reads."""
+    tier = tier_for(redis_proc.url)
+    kept, refused = segment(11), segment(12)
+    assert await tier.put(kept.key, kept)
+    r = redis.Redis(port=redis_proc.port)
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", r.info("memory")["used_memory"] // 2)  # already over: writes fail
+    assert not await tier.put(refused.key, refused)  # OOM: refused
+    assert tier.stats().errors == 1 and not tier.health.down
+    assert await tier.contains([kept.key, refused.key]) == [True, False]  # reads go on at once
+    assert torch.equal((await tier.get(kept.key)).payload, kept.payload)
+    await tier.close()
