@@ -24,7 +24,7 @@ from connector.loop import LoopThread
 from connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
 from connector.transfer import Layout, LoadJob, run_load, run_saves
 from engine.kv_connector import KVConnector
-from kernels import FP8, gather_kv
+from kernels import FP8, RotaryEmbedding, gather_kv
 from storage_backends.base import Tier
 from storage_backends.keys import ChunkHasher, Salt
 from storage_backends.store import TieredStore
@@ -67,6 +67,7 @@ class TierKVConnector(KVConnector):
         self.hasher: ChunkHasher | None = None
         self.layout: Layout | None = None
         self.model_id: str | None = None
+        self.rope: RotaryEmbedding | None = None
         if self.config.metrics_port:
             from connector.metrics import serve_metrics
             serve_metrics(self, self.config.metrics_port)
@@ -80,6 +81,8 @@ class TierKVConnector(KVConnector):
         """Called by the engine before register_kv_caches: fixes the salt of every key."""
         self.model_id = model_fingerprint(model, model_config, dtype)
         self.kv_scales = kv_scales
+        self.rope = RotaryEmbedding(model_config.head_dim, model_config.rope_theta, model_config.rope_scaling,
+                                    model_config.max_position_embeddings)
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         if self.model_id is None:
@@ -97,23 +100,39 @@ class TierKVConnector(KVConnector):
         salt = Salt(model_fingerprint=self.model_id, kv_format=f"tkvs{VERSION}/layer-major/{name}/{quant}",
                     chunk_size=self.config.chunk_size, namespace=self.ns)
         self.hasher = ChunkHasher(salt)
-        self.layout = Layout(len(kv_caches), heads, dim, name, salt.fingerprint(), block_size)
+        self.layout = Layout(len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, self.rope)
 
     # -- scheduler side --------------------------------------------------------------------
     def _state(self, request: Any) -> RequestState:
         st = self.states.get(request.request_id)
         if st is None:
             tokens = np.asarray(request.token_ids[:request.num_prompt_tokens], dtype=np.int32)
-            keys = self.hasher.prefix_keys(tokens, partial=self.config.save_partial_chunks)
-            bounds = self.hasher.chunks(tokens, partial=self.config.save_partial_chunks)
-            chunks = [Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
-                      for i, (k, (a, b)) in enumerate(zip(keys, bounds))]
+            if getattr(request, "blend", None) is not None:  # one position-free key per reusable segment
+                spans = [(a, b) for a, b, reusable in request.segments if reusable]
+                chunks = [Chunk(i, self.hasher.segment_key(tokens[a:b]), bytes(16), a, b)
+                          for i, (a, b) in enumerate(spans)]
+            elif getattr(request, "ingest", False):  # a standalone segment, stored whole
+                chunks = [Chunk(0, self.hasher.segment_key(tokens), bytes(16), 0, len(tokens))]
+            else:
+                keys = self.hasher.prefix_keys(tokens, partial=self.config.save_partial_chunks)
+                bounds = self.hasher.chunks(tokens, partial=self.config.save_partial_chunks)
+                chunks = [Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
+                          for i, (k, (a, b)) in enumerate(zip(keys, bounds))]
             st = self.states[request.request_id] = RequestState(chunks, tokens)
         return st
 
+    def lookup_segments(self, segments: list[list[int]]) -> list[bool]:
+        """Whether the store holds each segment's standalone KV (one batched lookup)."""
+        keys = [self.hasher.segment_key(np.asarray(t, dtype=np.int32)) for t in segments]
+        try:
+            return self.loop.run(self.store.contains(keys, self.ns), self.config.lookup_timeout_s)
+        except Exception as e:
+            log.warning("connector segment lookup failed (%r): miss", e)
+            return [False] * len(keys)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         st = self._state(request)
-        if not st.chunks:
+        if not st.chunks or getattr(request, "ingest", False):
             return 0
         self.stats.lookups += 1
         try:
@@ -122,6 +141,12 @@ class TierKVConnector(KVConnector):
         except Exception as e:  # a slow or failing store is a miss
             log.warning("connector lookup failed (%r): miss", e)
             where = []
+        if getattr(request, "blend", None) is not None:  # segments hit anywhere, not as a prefix
+            st.hits = [w is not None for w in where] if where else [False] * len(st.chunks)
+            st.tiers = [self.store.tiers[w].name if w is not None else "" for w in where] or [""] * len(st.chunks)
+            new = sum(c.end - c.start for c, hit in zip(st.chunks, st.hits) if hit)
+            self.stats.lookup_hit_tokens += new
+            return new
         n = next((i for i, w in enumerate(where) if w is None), len(where))
         st.present, st.tiers = n, [self.store.tiers[w].name for w in where[:n]]
         hit = st.chunks[n - 1].end if n else 0
@@ -133,11 +158,17 @@ class TierKVConnector(KVConnector):
         if num_external_tokens <= 0:
             return
         st = self._state(request)
+        blocks = torch.tensor(block_ids, dtype=torch.int32)
+        if getattr(request, "blend", None) is not None:
+            for c, hit, tier in zip(st.chunks, st.hits, st.tiers):
+                if hit:
+                    self.pending_loads.append(LoadPlan(request.request_id, blocks, c.start, c.end, [c], [tier],
+                                                       st.tokens, rotate=True))
+            return
         start = request.num_computed_tokens
         end = start + num_external_tokens
         idx = [i for i, c in enumerate(st.chunks[:st.present]) if c.end > start and c.start < end]
-        self.pending_loads.append(LoadPlan(request.request_id, torch.tensor(block_ids, dtype=torch.int32),
-                                           start, end, [st.chunks[i] for i in idx],
+        self.pending_loads.append(LoadPlan(request.request_id, blocks, start, end, [st.chunks[i] for i in idx],
                                            [st.tiers[i] for i in idx], st.tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
@@ -147,8 +178,8 @@ class TierKVConnector(KVConnector):
             return meta
         for seq, n in zip(scheduler_output.seqs, scheduler_output.num_new_tokens):
             start = seq.num_computed_tokens
-            if start >= seq.num_prompt_tokens:
-                continue  # decoding: generated tokens are not stored
+            if start >= seq.num_prompt_tokens or (seq.segments is not None and not seq.ingest):
+                continue  # decoding, or a segment prompt (its KV may be blended): never stored
             st = self._state(seq)
             stop, block_ids = start + n, None
             while st.saved_upto < len(st.chunks) and st.chunks[st.saved_upto].end <= stop:
@@ -223,6 +254,14 @@ class TierKVConnector(KVConnector):
     def get_finished(self) -> tuple[set[str], set[str]]:
         return set(), set()
 
+    def get_loaded_ranges(self, request_id: str) -> list[tuple[int, int]]:
+        """Token ranges of request_id whose cached KV this step's load put in its blocks, for
+        every layer; valid after wait_for_layer_load(0). Only verified segments are named."""
+        job = self.job
+        if job is None:
+            return []
+        return [(p.start, p.end) for p in job.plans if p.request_id == request_id and p.failed_from is None]
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks from the first token each failed load did not deliver; also books the metrics."""
         job, self.job = self.job, None
@@ -233,6 +272,8 @@ class TierKVConnector(KVConnector):
         for p in job.plans:
             st = self.states.get(p.request_id)
             stop = p.end if p.failed_from is None else p.failed_from
+            if p.rotate and p.failed_from is not None and not job.scattering:
+                continue  # never in the cache: the blend computed those tokens in full
             if p.failed_from is not None:
                 first = p.failed_from // bs
                 failed.update(int(b) for b in p.block_ids[first:-(-p.end // bs)].tolist())

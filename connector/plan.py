@@ -21,7 +21,8 @@ class RequestState:
     """Scheduler-side state of one request; lives from its first lookup to request_finished."""
     chunks: list[Chunk]
     tokens: np.ndarray  # the prompt, int32
-    present: int = 0  # leading chunks the store held at the last lookup
+    present: int = 0  # leading chunks the store held at the last lookup (prefix chunks)
+    hits: list[bool] = field(default_factory=list)  # each segment found (blend requests)
     tiers: list[str] = field(default_factory=list)  # tier of each present chunk
     saved_upto: int = 0  # chunks below this index were saved or skipped
     loaded: dict[str, int] = field(default_factory=dict)  # tokens loaded per tier
@@ -38,6 +39,7 @@ class LoadPlan:
     chunks: list[Chunk]
     tiers: list[str]
     tokens: np.ndarray
+    rotate: bool = False  # a segment reused at another position: re-rotate K from its base position
     failed_from: int | None = None  # first token not loaded, when the load fails
 
 

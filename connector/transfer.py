@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from connector.plan import ConnectorStats, LoadPlan, SavePlan
-from kernels import scatter_kv
+from kernels import RotaryEmbedding, rerotate_k, scatter_kv
 from storage_backends.base import Tier
 from storage_backends.segment import KVSegment, SegmentError
 
@@ -33,6 +33,7 @@ class Layout:
     dtype: str  # storage dtype name (segment.dtype)
     fingerprint: bytes
     block_size: int
+    rope: RotaryEmbedding | None = None  # for re-rotating reused segments
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class LoadJob:
     events: list[threading.Event]
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
+    scattering: bool = False  # some layer may be in the cache already
     started: float = field(default_factory=time.perf_counter)
 
     def cancel(self) -> None:
@@ -99,7 +101,7 @@ async def fetch(store: Tier, ns: str, plan: LoadPlan, layout: Layout, stats: Con
 
 
 def scatter_layer(job: LoadJob, segs: list[list[KVSegment]], layer: int, caches: list[torch.Tensor],
-                  kv_scales: torch.Tensor | None) -> None:
+                  kv_scales: torch.Tensor | None, rope: RotaryEmbedding | None) -> None:
     """Write layer's K/V of every verified chunk into its request's blocks."""
     cache = caches[layer]
     ks, vs = (kv_scales[layer, 0], kv_scales[layer, 1]) if kv_scales is not None else (None, None)
@@ -111,6 +113,8 @@ def scatter_layer(job: LoadJob, segs: list[list[KVSegment]], layer: int, caches:
             if hi <= lo:
                 continue
             part = seg.layer(layer)[:, lo - c.start:hi - c.start]
+            if plan.rotate and c.start != seg.base_position:  # R(p + d) = R(d) R(p)
+                part = torch.stack([rerotate_k(part[0], c.start - seg.base_position, rope), part[1]])
             if seg.scales is not None:  # fp8 chunks carry their own scales: one scatter each
                 scatter_kv(part, cache[0], cache[1], plan.block_ids, lo, ks, vs,
                            torch.from_numpy(seg.scales[layer]))
@@ -131,7 +135,8 @@ async def run_load(job: LoadJob, store: Tier, ns: str, layout: Layout, caches: l
             with job.lock:
                 if job.cancelled:
                     return
-                scatter_layer(job, segs, layer, caches, kv_scales)
+                job.scattering = True
+                scatter_layer(job, segs, layer, caches, kv_scales, layout.rope)
             job.events[layer].set()
         stats.record(stats.load_seconds, time.perf_counter() - job.started)
     except asyncio.TimeoutError:

@@ -87,6 +87,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
+    # glibc on a CPU device: serve big tensors from the heap and never trim it, so a step's
+    # buffers are reused instead of freshly mmapped and page-faulted (steps ran 2-10x slower
+    # and erratic without it here). Process-wide; the heap stays at its peak size.
+    retain_host_memory: bool = True
+    blend_ratio: float = 0.15  # CacheBlend: share of reused segment tokens recomputed after the check layer
+    blend_check_layer: int = 1  # CacheBlend: layers 0..this run in full; deviation ranked at this one
+    blend_metric: str = "k"  # CacheBlend: rank by fresh-vs-cached distance of "k" or "v"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -82,6 +82,19 @@ class KVConnector(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed this step; the engine recomputes from the first of them."""
 
+    # any-position reuse (CacheBlend); the defaults mean "not supported"
+    def lookup_segments(self, segments: list[list[int]]) -> list[bool] | None:
+        """Whether the store holds each segment's standalone KV; None: no segment support."""
+        return None
+
+    def get_loaded_ranges(self, request_id: str) -> list[tuple[int, int]]:
+        """Token ranges of a blend request loaded into its blocks this step, valid after
+        wait_for_layer_load(0); only verified KV is named."""
+        return []
+
+    def flush(self) -> None:
+        """Block until every save started so far is stored."""
+
     def request_metrics(self, request_id: str) -> dict[str, Any]:
         """Per-request numbers copied into the output metrics, e.g. {"loaded_tokens": {"cpu": 256}}."""
         return {}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from engine.blend import BlendParams, Segment
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_connector import KVConnector, NoOpConnector
@@ -42,6 +43,7 @@ class RequestMetrics:
     computed_tokens: int  # run through the model (prefill, decode and any recompute)
     preemptions: int
     connector: dict[str, Any] = field(default_factory=dict)  # the connector's own report (per tier, ...)
+    blend: dict[str, Any] = field(default_factory=dict)  # a blend prefill's report (loaded, recomputed, ...)
 
 
 @dataclass(slots=True)
@@ -103,15 +105,61 @@ class LLM:
         self._groups.setdefault(group, []).append(seq)
         return seq
 
-    def add_request(self, group: int, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompt given but the model has no tokenizer.json; pass token ids")
+        return self.tokenizer.encode(text).ids
+
+    def _segments(self, prompt: list[Segment]) -> tuple[list[int], list[tuple[int, int, bool]]]:
+        """A segment prompt as its tokens and the (start, end, reusable) span of each segment."""
+        tokens, spans = [], []
+        for s in prompt:
+            ids = self._encode(s.content) if isinstance(s.content, str) else list(s.content)
+            if not ids:
+                raise ValueError("a segment must hold at least one token")
+            spans.append((len(tokens), len(tokens) + len(ids), s.reusable))
+            tokens += ids
+        return tokens, spans
+
+    def _blend_params(self, params: SamplingParams) -> BlendParams:
+        c = self.config
+        ratio = c.blend_ratio if params.blend_ratio is None else params.blend_ratio
+        layer = c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
+        return BlendParams(ratio, layer, c.blend_metric)
+
+    def ingest(self, segments: list[list[int]]) -> int:
+        """Store the standalone KV (positions from 0) of each segment the connector lacks, once
+        each; returns how many were computed. Needs a connector with segment support."""
+        unique = list(dict.fromkeys(tuple(s) for s in segments))
+        present = self.connector.lookup_segments([list(s) for s in unique])
+        if present is None:
+            raise ValueError("the engine's connector does not store segments")
+        todo = [list(s) for s, p in zip(unique, present) if not p]
+        one, base = SamplingParams(max_tokens=1, ignore_eos=True), self._next_id
+        groups = [base + i for i in range(len(todo))]
+        for g, toks in zip(groups, todo):
+            self.add_request(g, toks, one).ingest = True
+        while self.scheduler.has_work():
+            self.step()
+        self._drain_saves()
+        for g in groups:
+            self._groups.pop(g, None)
+        self.connector.flush()
+        return len(todo)
+
+    def add_request(self, group: int, prompt: str | list[int] | list[Segment], params: SamplingParams) -> Sequence:
+        spans = None
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompt given but the model has no tokenizer.json; pass token ids")
-            prompt = self.tokenizer.encode(prompt).ids
+            prompt = self._encode(prompt)
+        elif prompt and all(isinstance(s, Segment) for s in prompt):
+            prompt, spans = self._segments(prompt)
         vocab = self.model_config.vocab_size
         if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
         seq = self._new_seq(group, str(group), prompt, len(prompt), params, 0)
+        if spans is not None and len(prompt) <= self.config.max_num_batched_tokens \
+                and self.connector.lookup_segments([]) is not None:
+            seq.segments, seq.blend = spans, self._blend_params(params)
         try:
             self.scheduler.add(seq)
         except ValueError:
@@ -167,8 +215,16 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]] | str | list[int],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, Segment))):
             prompts = [prompts]
+        segmented = [p for p in prompts if isinstance(p, list) and p and isinstance(p[0], Segment)]
+        if segmented and self.connector.lookup_segments([]) is not None:
+            # Each reusable segment's standalone KV must be stored before a blend can load it.
+            docs = []
+            for p in segmented:
+                toks, spans = self._segments(p)
+                docs += [toks[a:b] for a, b, reusable in spans if reusable]
+            self.ingest(docs)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
@@ -197,7 +253,8 @@ class LLM:
             text = self.tokenizer.decode(s.output_ids) if self.tokenizer is not None else None
             outs.append(Completion(s.output_ids, text, s.finish_reason or "length", RequestMetrics(
                 m.first_token_time - m.arrival_time, m.finish_time - m.first_token_time, s.num_prompt_tokens,
-                m.num_cached_tokens, m.num_external_tokens, m.num_computed_tokens, m.num_preemptions, m.connector)))
+                m.num_cached_tokens, m.num_external_tokens, m.num_computed_tokens, m.num_preemptions, m.connector,
+                m.blend)))
         return RequestOutput(seqs[0].request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens], outs)
 
     def check_integrity(self) -> None:

@@ -5,10 +5,12 @@ load wait and save happen, around the KV write and the paged attention of `kerne
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
+from engine.blend import BlendReport, blend_forward
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_connector import KVConnector
 from engine.model import LlamaForCausalLM
@@ -58,6 +60,17 @@ class Context:
     block_ids: list[list[int]]  # block table of each sequence (valid during this step only)
 
 
+def retain_host_memory() -> bool:
+    """glibc mallopt: no mmap for large blocks, no trimming (see EngineConfig.retain_host_memory)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False  # not glibc: leave the allocator alone
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
+    return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 40)
+                and libc.mallopt(m_top_pad, 64 << 20))
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     item = torch.empty(0, dtype=dtype).element_size()
     return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * item
@@ -68,6 +81,8 @@ class ModelRunner:
                  connector: KVConnector, device: torch.device) -> None:
         self.model, self.cfg, self.config, self.device = model, cfg, config, device
         self.connector = connector
+        if config.retain_host_memory and device.type == "cpu":
+            retain_host_memory()
         self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else dtype
         self.num_blocks = config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size, self.kv_dtype)
         if self.num_blocks < 1:
@@ -148,6 +163,10 @@ class ModelRunner:
                           kcu.to(torch.int32).to(dev), positions[rows].to(torch.int32).to(dev),
                           int(c.max()), int(lens[sel].max()))
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) of layer's fp8 cache, or (None, None)."""
+        return (self.kv_scales[layer, 0], self.kv_scales[layer, 1]) if self.kv_dtype == FP8 else (None, None)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx, cache = self.ctx, self.kv_caches[layer]
         n = ctx.num_tokens
@@ -182,7 +201,14 @@ class ModelRunner:
                 cache[:, dst] = cache[:, src]
         ctx = self.prepare(out)
         self.connector.start_load_kv(out.connector_meta)
-        h = self.model(ctx.input_ids, ctx.positions, self.attend)
+        if out.blend is not None:
+            self.connector.wait_for_layer_load(0)  # fetched and verified: the loaded ranges are known
+            report = BlendReport()
+            h = blend_forward(self, ctx, out.blend.blend, self.connector.get_loaded_ranges(out.blend.request_id),
+                              report)
+            out.blend.metrics.blend = report.as_dict()
+        else:
+            h = self.model(ctx.input_ids, ctx.positions, self.attend)
         self.calibrated = True
         self.connector.wait_for_save()
         return h

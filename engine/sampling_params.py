@@ -15,6 +15,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # parallel samples sharing the prompt's KV blocks (copy-on-write)
+    blend_ratio: float | None = None  # segment prompts: share of reused tokens recomputed (None: engine's)
+    blend_check_layer: int | None = None  # segment prompts: last layer run in full (None: engine's)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -24,6 +24,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
     connector_meta: object = None
+    blend: Sequence | None = None  # a blend prefill: this step's only sequence
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +65,30 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _schedule_blend(self) -> SchedulerOutput | None:
+        """A blend prefill runs alone, its whole prompt in one step; the running sequences wait
+        that one step. None when its blocks do not fit yet."""
+        seq = self.waiting[0]
+        copies = self.blocks.allocate(seq, len(seq))
+        if copies is None:
+            return None
+        self.waiting.popleft()
+        ext = max(0, int(self.connector.get_num_new_matched_tokens(seq, 0)))
+        self.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
+        if not seq.admitted:
+            seq.admitted, seq.metrics.num_external_tokens = True, ext
+        seq.exact_kv = seq.exact_kv and ext == 0
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+        out = SchedulerOutput([seq], [len(seq) - seq.num_computed_tokens], copies, blend=seq)
+        out.connector_meta = self.connector.build_connector_meta(out)
+        return out
+
     def schedule(self) -> SchedulerOutput:
+        if self.waiting and self.waiting[0].blend is not None and len(self.running) < self.config.max_num_seqs:
+            out = self._schedule_blend()
+            if out is not None:
+                return out
         out, budget, i = SchedulerOutput(), self.config.max_num_batched_tokens, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -85,6 +109,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.blend is not None:
+                break  # admitted alone, by _schedule_blend
             hit = self.blocks.match_prefix(seq)
             seq.num_computed_tokens = hit
             ext = self.connector.get_num_new_matched_tokens(seq, hit)
@@ -121,6 +147,9 @@ class Scheduler:
             seq.num_computed_tokens += n
             seq.metrics.num_computed_tokens += n
             bad = next((j for j, b in enumerate(seq.block_table) if b in failed_blocks), None)
+            if bad is not None and seq is out.blend:  # blended KV is all or nothing: prefill plainly
+                seq.num_computed_tokens, seq.blend, seq.metrics.num_external_tokens = 0, None, 0
+                continue
             if bad is not None and bad * bs < seq.num_computed_tokens:
                 m = seq.metrics
                 m.num_external_tokens -= min(m.num_external_tokens,
@@ -130,7 +159,8 @@ class Scheduler:
             token = tokens.get(seq.seq_id)
             if token is not None:
                 self._append(seq, token, finished)
-            self.blocks.cache_blocks(seq)
+            if seq.exact_kv:  # blended KV is approximate: never offered to the prefix cache
+                self.blocks.cache_blocks(seq)
         for parent, child in children:
             if parent.num_output_tokens != 1 or parent.num_computed_tokens != parent.num_prompt_tokens:
                 continue  # the parent was rolled back; it forks when it samples again

@@ -6,6 +6,7 @@ from enum import Enum, auto
 
 import torch
 
+from engine.blend import BlendParams
 from engine.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class SeqMetrics:
     num_computed_tokens: int = 0  # run through the model, recomputation included
     num_preemptions: int = 0
     connector: dict = field(default_factory=dict)  # what the connector reports (tokens per tier, ...)
+    blend: dict = field(default_factory=dict)  # what a blend prefill did (BlendReport.as_dict())
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +49,12 @@ class Sequence:
     sample_index: int = 0  # which of the request's n samples
     admitted: bool = False
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
+    # Any-position reuse: (start, end, reusable) of each prompt segment; blend set while the
+    # prompt awaits its blend prefill; ingest = a standalone segment whose KV is to be stored.
+    segments: list[tuple[int, int, bool]] | None = None
+    blend: BlendParams | None = None
+    ingest: bool = False
+    exact_kv: bool = True  # False once blended KV is in its blocks: never indexed, never stored
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,137 @@
+"""Any-position reuse (CacheBlend): prompts as segments, and the selective-recompute prefill.
+
+A blend prefill is one step holding one sequence. The connector has scattered each reusable
+segment's cached KV into the sequence's blocks, re-rotated to its position here. Then:
+- layers 0..check_layer run in full on every token (fresh KV overwrites the cached KV);
+- at check_layer, before its KV is written, each loaded context token is ranked by the
+  squared L2 distance between its fresh and cached K (or V); the top `ratio` of them are
+  kept, together with every token that was not loaded (the question, missed segments);
+- layers after check_layer run only the kept rows, whose queries attend over all keys (the
+  cached KV of the dropped rows, the fresh KV of the kept ones) and whose KV replaces the cache.
+ratio 1.0 keeps every row (exactly a full prefill); ratio 0.0 drops the loaded rows before
+layer 0 (exactly the concatenation of the re-rotated cached KV, nothing recomputed).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import paged_attention, write_kv
+
+
+@dataclass(slots=True)
+class Segment:
+    """A piece of a prompt. A reusable one (a RAG document, a system prompt, a tool result)
+    has its KV computed standalone, from position 0, stored once under its segment key and
+    reused at any position; a non-reusable one (the question) is always computed."""
+    content: str | list[int]
+    reusable: bool = True
+
+
+@dataclass(slots=True)
+class BlendParams:
+    ratio: float  # share of loaded context tokens recomputed after the check layer
+    check_layer: int  # last layer run in full; deviation is measured at its KV
+    metric: str = "k"  # "k" or "v": which fresh-vs-cached distance ranks the tokens
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"blend_ratio must be in [0, 1], got {self.ratio}")
+        if self.check_layer < 0:
+            raise ValueError(f"blend_check_layer must be >= 0, got {self.check_layer}")
+        if self.metric not in ("k", "v"):
+            raise ValueError(f"blend_metric must be 'k' or 'v', got {self.metric!r}")
+
+
+@dataclass(slots=True)
+class BlendReport:
+    """What a blend prefill did (copied into the request's metrics)."""
+    loaded: int = 0  # context tokens whose cached KV was used
+    recomputed: int = 0  # of those, recomputed after the check layer
+    computed: int = 0  # tokens run through every layer (question, missed segments)
+    full_layers: int = 0  # layers run on every token
+    deviation: list[float] = field(default_factory=list)  # not kept: empty unless asked for
+
+    def as_dict(self) -> dict:
+        return {"loaded": self.loaded, "recomputed": self.recomputed, "computed": self.computed,
+                "full_layers": self.full_layers}
+
+
+def select(fresh: torch.Tensor, cached: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Indices (ascending) of the ceil(ratio * N) rows of fresh/cached [N, H, D] that differ most."""
+    n = fresh.shape[0]
+    m = min(n, math.ceil(ratio * n - 1e-9))
+    if m == 0:
+        return torch.zeros(0, dtype=torch.long, device=fresh.device)
+    dev = (fresh.float() - cached.float()).pow(2).sum(dim=(1, 2))
+    return torch.topk(dev, m, sorted=False).indices.sort().values
+
+
+def rows_of(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool)
+    for a, b in ranges:
+        mask[a:min(b, n)] = True
+    return mask
+
+
+def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]],
+                  report: BlendReport) -> torch.Tensor:
+    """The blend prefill of the step's only sequence; returns the hidden states of the rows
+    that reach the last layer and points ctx.logits_indices at the last prompt token."""
+    model, conn, n = runner.model, runner.connector, ctx.num_tokens
+    cand = rows_of(loaded, n)  # rows whose cached KV is in the blocks
+    report.loaded, report.computed = int(cand.sum()), int((~cand).sum())
+    if not cand.any():  # nothing loaded: an ordinary prefill
+        return model(ctx.input_ids, ctx.positions, runner.attend)
+    kv_dtype = runner.kv_caches[0].dtype
+    keep = torch.nonzero(~cand).flatten()  # rows that reach the last layer
+
+    def subset_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = runner.kv_caches[layer]
+        ks, vs = runner.layer_scales(layer)
+        conn.wait_for_layer_load(layer)
+        write_kv(k, v, cache[0], cache[1], ctx.slot_mapping[keep], ks, vs)
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        return paged_attention(q, cache[0], cache[1], ctx.all.block_tables, ctx.all.seq_lens, cu,
+                               ctx.positions[keep].to(torch.int32), runner.scale, ks, vs,
+                               max_seqlen_q=q.shape[0], max_seqlen_k=n)
+
+    def check_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        nonlocal keep
+        if layer == params.check_layer:  # rank loaded rows by how far the cache is from fresh
+            conn.wait_for_layer_load(layer)
+            cache, which = runner.kv_caches[layer], 0 if params.metric == "k" else 1
+            flat = cache[which].view(-1, *cache.shape[3:])
+            slots = ctx.slot_mapping[:n][cand]
+            if kv_dtype.itemsize == 1:  # fp8: index its bytes, compare in real units
+                cached = flat.view(torch.uint8).index_select(0, slots).view(kv_dtype).float()
+                cached = cached * runner.layer_scales(layer)[which].view(-1, 1)
+            else:
+                cached = flat.index_select(0, slots)
+            picked = torch.nonzero(cand).flatten()[select((k if which == 0 else v)[:n][cand], cached, params.ratio)]
+            mask = ~cand
+            mask[picked] = True
+            keep = torch.nonzero(mask).flatten()
+            report.recomputed = int(picked.numel())
+        return runner.attend(layer, q, k, v)
+
+    if params.ratio == 0.0:  # plain concatenation of the cached KV: only the rest is computed
+        h, first = model.embed_tokens(ctx.input_ids[keep]), 0
+    else:
+        h = model.embed_tokens(ctx.input_ids)
+        last = min(params.check_layer, len(model.layers) - 1)
+        for i in range(last + 1):
+            h = model.layers[i](i, h, ctx.positions, check_attend)
+        report.full_layers, first = last + 1, last + 1
+        if keep.numel() == n:  # everything kept: the rest is an ordinary prefill
+            for i in range(first, len(model.layers)):
+                h = model.layers[i](i, h, ctx.positions, runner.attend)
+            return h
+        h = h[keep]
+    for i in range(first, len(model.layers)):
+        h = model.layers[i](i, h, ctx.positions[keep], subset_attend)
+    ctx.logits_indices = torch.tensor([h.shape[0] - 1], device=h.device)
+    ctx.num_sampled = 1
+    return h
