@@ -133,6 +133,41 @@ async def test_tampered_data_is_never_handed_out() -> None:
         await srv.stop(0)
 
 
+class Stalling(pb_grpc.TierKVServicer):
+    """Serves a segment's header and layer 0, then holds the stream until `go` is set."""
+
+    def __init__(self, seg: KVSegment) -> None:
+        total, parts = pieces(seg)
+        self.parts, self.total, self.go = [bytes(p) for p in parts], total, asyncio.Event()
+
+    async def Get(self, request, context):
+        yield pb.SegmentFrame(kind=pb.SegmentFrame.HEADER, data=self.parts[0], total_bytes=self.total)
+        for i, p in enumerate(self.parts[1:]):
+            if i == 1:
+                await self.go.wait()
+            yield pb.SegmentFrame(kind=pb.SegmentFrame.LAYER, layer=i, data=p)
+
+
+async def test_get_layers_yields_a_layer_as_soon_as_it_arrived() -> None:
+    s = segment(4)
+    servicer = Stalling(s)
+    srv = grpc.aio.server()
+    pb_grpc.add_TierKVServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    tier = RemoteTier(target=f"127.0.0.1:{port}", retries=0)
+    try:
+        layers = tier.get_layers(s.key)
+        first = await asyncio.wait_for(anext(layers), 10)  # while the server still holds layer 1
+        assert first.layer == 0 and not servicer.go.is_set()
+        assert torch.equal(decode_layer(first.header, 0, first.data), s.layer(0))
+        servicer.go.set()
+        assert [c.layer async for c in layers] == [1, 2, 3]
+    finally:
+        await tier.close()
+        await srv.stop(0)
+
+
 def test_sigterm_finishes_or_discards_in_flight_puts() -> None:
     server = ServerProcess(args=["--grace-s", "3"]).start()
     done, stalled, early = segment(10), segment(11), segment(12)

@@ -99,6 +99,9 @@ async def test_round_trip_redis(kind: str, request) -> None:
         await asyncio.sleep(0.5)  # the write-behind queue reaches Redis
         server.restart()  # the cpu tier is empty again; Redis still holds everything
         await check_round_trip(tier, segs, "redis")
+        assert await tier.delete(segs[0].key)  # from every tier, Redis included
+        server.restart()
+        assert await tier.contains([s.key for s in segs]) == [False, True, True, True]
         await tier.close()
     finally:
         server.stop(kill=True)
