@@ -132,7 +132,10 @@ class RedisCluster:
 
 @dataclass
 class ServerProcess:
-    """A `python -m cacheserver` subprocess on a free port; restartable with the same cache dir."""
+    """A `python -m cacheserver` subprocess on a free port; restartable with the same cache dir.
+
+    Small tiers (cpu 64 MiB, disk 256 MiB under cache_dir) unless `args` says otherwise;
+    its output goes to cache_dir/server.log."""
 
     args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
