@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from engine.config import RANDOM_CONFIGS
 from engine.llm import LLM
+from engine.blend import Segment
 from engine.sampling_params import SamplingParams
 
 
@@ -31,7 +32,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
+    c = g.add_argument_group("KV connector (tierkv tiers; needs the connector package)")
+    c.add_argument("--kv-connector", action="store_true", help="attach TierKVConnector with local tiers")
+    c.add_argument("--cache-server", help="HOST:PORT of a tierkv-server (implies --kv-connector)")
+    c.add_argument("--remote", help="redis://, rediss:// or redis+cluster:// URL (implies --kv-connector)")
+    c.add_argument("--token", help="bearer token for the cache server")
+    c.add_argument("--cpu-cache", default="1GiB", help="local cpu tier capacity (0 = none)")
+    c.add_argument("--disk-cache", default=None, help="local disk tier directory")
+    c.add_argument("--chunk-size", type=int, default=256)
+    b = g.add_argument_group("any-position reuse (CacheBlend)")
+    b.add_argument("--doc", action="append", default=[], help="a document file (text, or token ids with --ids)")
+    b.add_argument("--question", help="the question file; with --doc the prompt is docs + question")
+    b.add_argument("--ids", action="store_true", help="--doc/--question files hold comma-separated token ids")
+    b.add_argument("--blend-ratio", type=float, default=None, help="share of document tokens recomputed")
     return p
+
+
+def read_segment(path: str, ids: bool):
+    text = open(path).read()
+    return [int(t) for t in text.replace("\n", ",").split(",") if t.strip()] if ids else text
+
+
+def make_connector(args):
+    if not (args.kv_connector or args.cache_server or args.remote):
+        return None
+    from connector import ConnectorConfig, TierKVConnector  # the engine runs without it otherwise
+
+    remote = f"grpc://{args.cache_server}" if args.cache_server else args.remote
+    return TierKVConnector(ConnectorConfig(chunk_size=args.chunk_size, cpu_bytes=args.cpu_cache,
+                                           disk_dir=args.disk_cache, remote=remote, token=args.token))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,20 +71,32 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("error: --prompt-ids takes comma-separated integers", file=sys.stderr)
         return 2
+    if args.doc:
+        if not args.question:
+            print("error: --doc needs --question", file=sys.stderr)
+            return 2
+        prompts.append([Segment(read_segment(d, args.ids)) for d in args.doc]
+                       + [Segment(read_segment(args.question, args.ids), reusable=False)])
     if not prompts:
-        print("error: give --prompt or --prompt-ids", file=sys.stderr)
+        print("error: give --prompt, --prompt-ids or --doc with --question", file=sys.stderr)
         return 2
+    conn = None
     try:
-        llm = LLM(args.model or RANDOM_CONFIGS[args.random_config], dtype=args.dtype,
+        conn = make_connector(args)
+        llm = LLM(args.model or RANDOM_CONFIGS[args.random_config], dtype=args.dtype, kv_connector=conn,
                   kv_cache_dtype=args.kv_cache_dtype, kv_cache_bytes=args.kv_cache_bytes,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                                blend_ratio=args.blend_ratio)
         outs = llm.generate(prompts, params, use_tqdm=False)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if conn is not None:
+            conn.close()
     for o in outs:
         c = o.outputs[0]
         print(f"[{o.request_id}] {c.text if c.text is not None else c.token_ids}")

@@ -1,0 +1,39 @@
+"""`tierkv-engine generate` with the connector flags and document/question files, as a user runs it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.services import ServerProcess
+
+
+def cli(*args: str) -> list[dict]:
+    p = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--random-config", "tiny", "--dtype", "fp32",
+                        "--max-tokens", "6", "--ignore-eos", "--chunk-size", "32", *args],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
+def test_second_process_loads_through_cache_server_and_blends_docs(tmp_path) -> None:
+    ids = ",".join(str((i * 7) % 500) for i in range(100))
+    docs = []
+    for i in range(2):
+        docs.append(tmp_path / f"doc{i}.ids")
+        docs[-1].write_text(",".join(str((i * 31 + j * 3) % 500) for j in range(40)))
+    question = tmp_path / "q.ids"
+    question.write_text("5,6,7,8")
+    server = ServerProcess().start()
+    try:
+        first = cli("--cache-server", server.target, "--cpu-cache", "0", "--prompt-ids", ids)[0]
+        second = cli("--cache-server", server.target, "--cpu-cache", "0", "--prompt-ids", ids)[0]
+        assert first["external_tokens"] == 0 and second["external_tokens"] == 96
+        assert first["token_ids"] == second["token_ids"]
+        files = ["--doc", str(docs[1]), "--doc", str(docs[0]), "--question", str(question), "--ids"]
+        cli("--cache-server", server.target, "--cpu-cache", "0", *files)  # ingests both documents
+        blended = cli("--cache-server", server.target, "--cpu-cache", "0", "--blend-ratio", "0.5", *files)[0]
+        assert blended["external_tokens"] == 80
+        assert blended["blend"] == {"loaded": 80, "recomputed": 40, "computed": 4, "full_layers": 2}
+    finally:
+        server.stop(kill=True)
