@@ -45,7 +45,11 @@ def channel(target: str, tls_ca: str | bytes | None = None, frame_bytes: int = M
     """An aio channel to target; TLS when tls_ca (PEM path or bytes) is given."""
     limit = frame_bytes + 128 * 1024
     opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.http2.max_frame_size", (1 << 24) - 1)]  # a 1 MiB message in one HTTP/2 frame
+            ("grpc.http2.max_frame_size", (1 << 24) - 1),  # a 1 MiB message in one HTTP/2 frame
+            # gRPC's reconnect backoff grows to 120 s by default: after a long outage a client
+            # would miss for seconds after the server is back. Retry the connection every <= 1 s.
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
     if tls_ca is None:
         return grpc.aio.insecure_channel(target, options=opts)
     pem = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()

@@ -1,6 +1,7 @@
 """Segment files: reading headers, page-cache reads without a thread hop, aiofiles reads."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -39,6 +40,10 @@ def read_cached(path: Path, spans: list[tuple[int, memoryview]], nbytes: int, ch
         return True
     except BlockingIOError:
         return False
+    except OSError as e:  # tmpfs and some others refuse RWF_NOWAIT: read the usual way
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return False
+        raise
     finally:
         os.close(fd)
 
