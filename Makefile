@@ -30,7 +30,7 @@ test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m bench.tiers --quick
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m examples.rag_demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench/results
