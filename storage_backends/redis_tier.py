@@ -176,8 +176,13 @@ class RedisTier(Tier):
         self.counters.hits += 1
         for i, (off, n) in enumerate(header.layers):
             data = await self._call("getrange", self.client.getrange(name, off, off + n - 1))
-            if data is None or len(data) != n:
-                return  # deleted, replaced or Redis gone midway: a short stream is a miss
+            if data is None:
+                return  # Redis gone midway: a short stream is a miss
+            if len(data) != n:  # deleted midway (a miss), or a value shorter than its header (corrupt)
+                size = await self._call("strlen", self.client.strlen(name))
+                if size and size != header.nbytes:
+                    await self._corrupt(name, SegmentError(f"value is {size} bytes, its header says {header.nbytes}"))
+                return
             try:
                 decode_layer(header, i, data)
             except SegmentError as e:
