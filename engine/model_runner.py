@@ -178,10 +178,10 @@ class ModelRunner:
         write_kv(k, v, cache[0], cache[1], ctx.slot_mapping, ks, vs)
         self.connector.save_kv_layer(layer, cache, ctx)
         out = torch.zeros_like(q)
-        for s, e in ctx.fresh:
+        for s, e in ctx.fresh:  # 4-D: 3-D inputs fall back to SDPA's slow math path on CPU (7x)
             out[s:e] = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-                is_causal=True, scale=self.scale, enable_gqa=True).transpose(0, 1)
+                q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2),
+                is_causal=True, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
         for p in ctx.paged:
             qp = q[:n] if p.rows is None else q[p.rows]
             o = paged_attention(qp, cache[0], cache[1], p.block_tables, p.seq_lens, p.cu_seqlens_q,
