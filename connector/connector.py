@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from connector.config import ConnectorConfig
 from connector.loop import LoopThread
 from connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
-from connector.transfer import Layout, LoadJob, run_load, run_saves
+from connector.requests import DTYPE_NAMES, model_fingerprint, request_state
+from connector.transfer import Layout, LoadJob, book, run_load, run_saves
 from engine.kv_connector import KVConnector
 from kernels import FP8, RotaryEmbedding, gather_kv
 from storage_backends.base import Tier
@@ -31,19 +31,6 @@ from storage_backends.store import TieredStore
 from storage_backends.segment import VERSION
 
 log = logging.getLogger("tierkv.connector")
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-               FP8: "float8_e4m3fn"}
-
-
-def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> str:
-    """Architecture, shape and a digest of every weight: KV of two models shares keys only
-    when all of these are equal."""
-    h = xxhash.xxh3_128(repr(sorted((k, repr(v)) for k, v in vars(cfg).items())
-                             if hasattr(cfg, "__dict__") else repr(cfg)).encode())
-    for name, p in model.state_dict().items():
-        h.update(name.encode())
-        h.update(memoryview(p.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)))
-    return f"llama:{DTYPE_NAMES.get(dtype, str(dtype))}:{h.hexdigest()}"
 
 
 class TierKVConnector(KVConnector):
@@ -106,19 +93,8 @@ class TierKVConnector(KVConnector):
     def _state(self, request: Any) -> RequestState:
         st = self.states.get(request.request_id)
         if st is None:
-            tokens = np.asarray(request.token_ids[:request.num_prompt_tokens], dtype=np.int32)
-            if getattr(request, "blend", None) is not None:  # one position-free key per reusable segment
-                spans = [(a, b) for a, b, reusable in request.segments if reusable]
-                chunks = [Chunk(i, self.hasher.segment_key(tokens[a:b]), bytes(16), a, b)
-                          for i, (a, b) in enumerate(spans)]
-            elif getattr(request, "ingest", False):  # a standalone segment, stored whole
-                chunks = [Chunk(0, self.hasher.segment_key(tokens), bytes(16), 0, len(tokens))]
-            else:
-                keys = self.hasher.prefix_keys(tokens, partial=self.config.save_partial_chunks)
-                bounds = self.hasher.chunks(tokens, partial=self.config.save_partial_chunks)
-                chunks = [Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
-                          for i, (k, (a, b)) in enumerate(zip(keys, bounds))]
-            st = self.states[request.request_id] = RequestState(chunks, tokens)
+            st = self.states[request.request_id] = request_state(request, self.hasher,
+                                                                 self.config.save_partial_chunks)
         return st
 
     def lookup_segments(self, segments: list[list[int]]) -> list[bool]:
@@ -265,27 +241,7 @@ class TierKVConnector(KVConnector):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks from the first token each failed load did not deliver; also books the metrics."""
         job, self.job = self.job, None
-        failed: set[int] = set()
-        if job is None:
-            return failed
-        bs = self.layout.block_size
-        for p in job.plans:
-            st = self.states.get(p.request_id)
-            stop = p.end if p.failed_from is None else p.failed_from
-            if p.rotate and p.failed_from is not None and not job.scattering:
-                continue  # never in the cache: the blend computed those tokens in full
-            if p.failed_from is not None:
-                first = p.failed_from // bs
-                failed.update(int(b) for b in p.block_ids[first:-(-p.end // bs)].tolist())
-                self.stats.recomputed_tokens += p.end - p.failed_from
-                if st is not None:
-                    st.recomputed += p.end - p.failed_from
-            for c, tier in zip(p.chunks, p.tiers):
-                n = max(0, min(stop, c.end) - max(p.start, c.start))
-                self.stats.loaded_tokens += n
-                if st is not None and n:
-                    st.loaded[tier] = st.loaded.get(tier, 0) + n
-        return failed
+        return set() if job is None else book(job, self.states, self.stats, self.layout.block_size)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def flush(self, timeout: float = 60.0) -> None:

@@ -176,3 +176,26 @@ async def run_saves(saves: list[SavePlan], store: Tier, ns: str, fingerprint: by
         finally:
             done(plan)
             stats.record(stats.save_seconds, time.perf_counter() - t0)
+
+
+def book(job: LoadJob, states: dict, stats: ConnectorStats, block_size: int) -> set[int]:
+    """After a step: count what each plan loaded (per tier) or left to recompute, and return the
+    blocks the engine must recompute. A blend segment that failed before any scatter is not
+    among them: the blend computed its tokens in full."""
+    failed: set[int] = set()
+    for p in job.plans:
+        st = states.get(p.request_id)
+        stop = p.end if p.failed_from is None else p.failed_from
+        if p.failed_from is not None:
+            stats.recomputed_tokens += p.end - p.failed_from
+            if st is not None:
+                st.recomputed += p.end - p.failed_from
+            if not (p.rotate and not job.scattering):
+                first = p.failed_from // block_size
+                failed.update(int(b) for b in p.block_ids[first:-(-p.end // block_size)].tolist())
+        for c, tier in zip(p.chunks, p.tiers):
+            n = max(0, min(stop, c.end) - max(p.start, c.start))
+            stats.loaded_tokens += n
+            if st is not None and n:
+                st.loaded[tier] = st.loaded.get(tier, 0) + n
+    return failed

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import random
 import socket
 import subprocess
 import sys

@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
 from connector import ConnectorConfig, TierKVConnector
 from engine import LLM, SamplingParams
 from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.store import TieredStore
 from tests.services import ServerProcess
 
 CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
