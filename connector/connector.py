@@ -47,6 +47,7 @@ class TierKVConnector(KVConnector):
         self.meta = StepMeta()
         self.job: LoadJob | None = None
         self.pending_saves = 0
+        self.steps = 0  # forwards seen
         self.save_lock = threading.Lock()
         self.save_futures: list = []
         self.caches: list[torch.Tensor] = []
@@ -108,8 +109,8 @@ class TierKVConnector(KVConnector):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         st = self._state(request)
-        if not st.chunks or getattr(request, "ingest", False):
-            return 0
+        if not st.chunks or getattr(request, "ingest", False) or (self.caches[0].dtype == FP8 and not self.steps):
+            return 0  # an fp8 engine cache takes its scales from its first forward: load after it
         self.stats.lookups += 1
         try:
             where = self.loop.run(self.store.locate([c.key for c in st.chunks], self.ns),
@@ -221,6 +222,7 @@ class TierKVConnector(KVConnector):
                       ks, vs, None if p.scales is None else p.scales[layer])
 
     def wait_for_save(self) -> None:
+        self.steps += 1
         saves, self.meta = self.meta.saves, StepMeta(loads=self.meta.loads)
         if saves:
             fut = self.loop.submit(run_saves(saves, self.store, self.ns, self.layout.fingerprint,

@@ -239,3 +239,19 @@ def test_prometheus_metrics(cold) -> None:
         assert 'tierkv_tier_hits_total{tier="cpu"}' in text
     finally:
         conn.close()
+
+
+def test_fp8_engine_cache_reuse_matches_its_own_cold_run() -> None:
+    """An fp8 KV cache stores fp8 segments with the engine's scales; a hit gives the same
+    greedy tokens as the same fp8 engine computing cold."""
+    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB"))
+    try:
+        llm = LLM(CFG, dtype="float32", kv_cache_bytes=4 << 20, enable_prefix_caching=False,
+                  kv_cache_dtype="fp8", kv_connector=conn)
+        first = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+        conn.flush()
+        again = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+        assert again.metrics.external_tokens == 5 * CHUNK
+        assert again.token_ids == first.token_ids
+    finally:
+        conn.close()
