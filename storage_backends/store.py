@@ -46,6 +46,7 @@ class Job:
     segment: KVSegment | None  # None: read it from tiers[source] when the job runs
     source: int
     targets: list[int]
+    gen: int = 0  # the key's delete generation when queued; a delete since then cancels the job
 
 
 @dataclass(slots=True)
@@ -86,7 +87,10 @@ class TieredStore(Tier):
         self._stats = StoreStats()
         self._queue: asyncio.Queue[Job] | None = None
         self._workers: list[asyncio.Task] = []
-        self._moving: dict[tuple[str, bytes], KVSegment] = {}  # evicted, queued for the next tier
+        # evicted, queued for the next tier: (segment, index of that tier)
+        self._moving: dict[tuple[str, bytes], tuple[KVSegment, int]] = {}
+        self._queued: dict[tuple[str, bytes], int] = {}  # jobs queued or running per key
+        self._gen: dict[tuple[str, bytes], int] = {}  # deletes of a key while it had jobs (bounded by them)
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._demoter(i)
 
@@ -94,7 +98,7 @@ class TieredStore(Tier):
         def demote(ns: str, key: bytes, segment: KVSegment) -> None:
             if self._enqueue(Job(ns, key, segment, i, [i + 1])):
                 self._stats.demoted += 1
-                self._moving[(ns, key)] = segment
+                self._moving[(ns, key)] = (segment, i + 1)
         return demote
 
     def _enqueue(self, job: Job) -> bool:
@@ -102,11 +106,14 @@ class TieredStore(Tier):
             self._queue = asyncio.Queue(self.config.queue_size)
             self._workers = [asyncio.get_running_loop().create_task(self._work())
                              for _ in range(self.config.workers)]
+        ident = (job.ns, job.key)
+        job.gen = self._gen.get(ident, 0)
         try:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             self._stats.dropped += 1
             return False
+        self._queued[ident] = self._queued.get(ident, 0) + 1
         self._stats.queued += 1
         return True
 
@@ -119,8 +126,13 @@ class TieredStore(Tier):
             except Exception:  # a tier bug must not kill the worker; the write is just lost
                 log.exception("background write of %s failed", job.key.hex())
             finally:
-                if job.segment is not None and self._moving.get((job.ns, job.key)) is job.segment:
-                    del self._moving[(job.ns, job.key)]
+                ident = (job.ns, job.key)
+                if job.segment is not None and self._moving.get(ident, (None,))[0] is job.segment:
+                    del self._moving[ident]
+                self._queued[ident] -= 1
+                if not self._queued[ident]:
+                    del self._queued[ident]
+                    self._gen.pop(ident, None)
                 self._queue.task_done()
 
     async def _run(self, job: Job) -> None:
@@ -132,8 +144,12 @@ class TieredStore(Tier):
                 return
         for i in job.targets:
             tier = self.tiers[i]
+            if self._gen.get((job.ns, job.key), 0) != job.gen:
+                return  # deleted after it was queued: a delete is final
             if not (await tier.contains([job.key], job.ns))[0] and await tier.put(job.key, seg, job.ns):
                 self._stats.written += 1
+                if self._gen.get((job.ns, job.key), 0) != job.gen:  # deleted while this put ran
+                    await tier.delete(job.key, job.ns)
 
     # -- the Tier interface ----------------------------------------------------------------
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
@@ -160,7 +176,7 @@ class TieredStore(Tier):
                             self._stats.promoted += 1
                 self._stats.hits += 1
                 return seg
-        moving = self._moving.get((ns, key))  # between two tiers right now: still a hit
+        moving = self._moving.get((ns, key), (None,))[0]  # between two tiers right now: still a hit
         if moving is not None:
             seg = moving if out is None else copy_into(moving, moving.header(), out)
             if self.config.promote and await self.tiers[0].put(key, seg, ns):
@@ -199,11 +215,19 @@ class TieredStore(Tier):
                 if f:
                     where[j] = i
             todo = [j for j, f in zip(todo, found) if not f]
+        for j in todo:  # between two tiers right now: where it is going (get serves it meanwhile)
+            moving = self._moving.get((ns, keys[j]))
+            if moving is not None:
+                where[j] = moving[1]
         return where
 
     async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
         check_namespace(ns)
-        return any([await t.delete(key, ns) for t in self.tiers])
+        ident = (ns, check_key(key))
+        if ident in self._queued:  # background writes of it not yet done must not bring it back
+            self._gen[ident] = self._gen.get(ident, 0) + 1
+        moving = self._moving.pop(ident, None) is not None
+        return any([await t.delete(key, ns) for t in self.tiers]) or moving
 
     def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> LeaseGroup:
         return LeaseGroup([t.lease(key, ns) if ttl is None else t.lease(key, ns, ttl) for t in self.tiers])

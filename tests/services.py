@@ -184,3 +184,23 @@ class ServerProcess:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+@dataclass
+class TlsRedisProcess(RedisProcess):
+    """A redis-server that speaks TLS only (its plaintext port is off), with the given PEM
+    certificate and key (tests make a self-signed pair); `url` is rediss:// with the CA."""
+
+    cert: Path | None = None
+    key: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
+
+    def start(self) -> "TlsRedisProcess":
+        self.extra = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                      "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.cert),
+                      "--tls-auth-clients", "no"]
+        RedisProcess.start(self)
+        return self
