@@ -21,8 +21,9 @@ def segment(seed: int, layers: int = 3, tokens: int = 16) -> KVSegment:
     return KVSegment.from_tensor(kv, key=key, tokens=list(range(seed, seed + tokens)), fingerprint=b"fp")
 
 
-def tier_for(url: str, **kw) -> RedisTier:
-    return RedisTier(RedisTierConfig(url=url, timeout_s=0.5, backoff_s=0.2, max_backoff_s=0.5, **kw))
+def tier_for(url: str, timeout_s: float = 5.0, **kw) -> RedisTier:
+    # A generous timeout: a loaded CI machine can take seconds to answer CLUSTER SLOTS.
+    return RedisTier(RedisTierConfig(url=url, timeout_s=timeout_s, backoff_s=0.2, max_backoff_s=0.5, **kw))
 
 
 async def round_trip(tier: RedisTier) -> None:
@@ -135,7 +136,7 @@ async def test_redis_down_then_back(redis_proc: RedisProcess, caplog) -> None:
 
 
 async def test_redis_hung_times_out(redis_proc: RedisProcess) -> None:
-    tier = tier_for(redis_proc.url)
+    tier = tier_for(redis_proc.url, timeout_s=0.5)
     s = segment(10)
     assert await tier.put(s.key, s)
     redis_proc.proc.send_signal(signal.SIGSTOP)  # accepts nothing, answers nothing
