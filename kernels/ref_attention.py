@@ -1,8 +1,8 @@
 """Torch reference of paged attention: the engine's CPU path, vectorized over sequences.
 
-Decode sequences (one query each) run as one padded batch; a sequence with several
-queries (prefill, chunked prefill, CacheBlend's sparse recompute) runs as its own SDPA
-call, so a long prefill never pads the decodes beside it.
+Decode sequences (one query each) run as one padded batch over whole blocks; a sequence
+with several queries (prefill, chunked prefill, CacheBlend's sparse recompute) runs as its
+own SDPA call, so a long prefill never pads the decodes beside it.
 """
 from __future__ import annotations
 
@@ -123,17 +123,45 @@ def _dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, bt: torch.Tensor, le
     return out[0], out[1]
 
 
-def _decode(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence: q [b, Hq, D], k/v [b, Hkv, T, D] -> [b, Hq, D]. The GQA group
-    is folded into the query length, which CPU SDPA runs far faster than enable_gqa."""
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, nblk: int, slot: int) -> torch.Tensor:
+    """The first nblk blocks of each table as [B, nblk * block_size, Hkv, D], in one index_select
+    of whole blocks (contiguous rows of bs * Hkv * D) into workspace `slot`: memcpy speed, where
+    a per-token head-major gather moves rows of D elements."""
+    nb, bs, hkv, d = cache.shape
+    ids = block_tables[:, :nblk].long().clamp(0, nb - 1).flatten()  # padding entries may hold anything
+    src = cache.view(torch.uint8) if is_fp8(cache) else cache  # CPU index_select lacks fp8
+    out = _WS.get(slot, ids.numel() * bs * hkv * d, src.dtype, cache.device).view(-1, bs * hkv * d)
+    torch.index_select(src.view(nb, -1), 0, ids, out=out)
+    return out.view(cache.dtype).view(block_tables.shape[0], nblk * bs, hkv, d)
+
+
+def _decode(q: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> torch.Tensor:
+    """One query per sequence: q [b, Hq, D] over the blocks of each table -> [b, Hq, D].
+
+    Keys stay in the cache's token-major layout [b, T, Hkv * D]; the query goes block-diagonal
+    (query head h*g + i holds its vector in kv head h's columns, zeros elsewhere), so scores
+    and values are two contiguous bmms with no head-major transpose. The zero columns cost
+    FLOPs, not time: at one query per head these bmms are bound by reading K and V. Scores go
+    to fp32 for the mask and softmax; probabilities are cast back to the value dtype, as CPU
+    SDPA does."""
     b, hq, d = q.shape
-    hkv, t = k.shape[1], k.shape[2]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g, nblk = hq // hkv, -(-int(lens.max()) // bs)
+    kv = []
+    for i, (cache, sc) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+        x = gather_blocks(cache, block_tables, nblk, i)
+        if is_fp8(cache):
+            x = x.float() * sc.view(1, 1, -1, 1)
+        kv.append((x if x.dtype == q.dtype else x.to(q.dtype)).view(b, nblk * bs, hkv * d))
+    qd = q.new_zeros(b, hkv, g, hkv, d)
+    qd.diagonal(dim1=1, dim2=3).copy_(q.view(b, hkv, g, d).permute(0, 2, 3, 1))
+    s = torch.bmm(qd.view(b, hq, hkv * d), kv[0].transpose(1, 2)).float().mul_(scale)
     visible = torch.minimum(lens, pos + 1)  # key j is seen iff j < seq_len and j <= pos
-    mask = torch.arange(t, device=q.device) < visible[:, None]
-    out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k, v,
-                                         attn_mask=mask[:, None, None, :], scale=scale)
-    return out.reshape(b, hq, d)
+    s.masked_fill_(torch.arange(s.shape[2], device=q.device) >= visible[:, None, None], float("-inf"))
+    o = torch.bmm(s.softmax(-1).to(q.dtype), kv[1]).view(b, hkv, g, hkv, d)
+    return o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, hq, d)
 
 
 def _prefill(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
@@ -168,10 +196,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     pos = q_positions.long()
     dec = torch.nonzero((counts == 1) & (lens > 0)).flatten()
     if dec.numel():
-        t = int(lens[dec].max())
-        k, v = _dense_kv(k_cache, v_cache, block_tables[dec], t, k_scale, v_scale, q.dtype)
         rows = cu[dec]
-        out[rows] = _decode(q[rows], pos[rows], k, v, lens[dec], scale)
+        out[rows] = _decode(q[rows], pos[rows], k_cache, v_cache, block_tables[dec], lens[dec], scale,
+                            k_scale, v_scale)
     # A sequence with no keys has nothing to attend to: its rows stay zero.
     for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist():
         s, e, t = int(cu[b]), int(cu[b + 1]), int(lens[b])
