@@ -1,0 +1,62 @@
+"""The torch reference keeps the plan it derives from the metadata (checks, decode block ids,
+masks) while equal metadata comes back: reuse must never serve a stale plan, and a bad
+edit must still be caught."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_attention_ref
+from tests.test_kernels_cases import Batch, dense_attention, make_batch
+
+
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def run(b: Batch) -> torch.Tensor:
+    return paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                               b.q_positions, b.scale, b.k_scale, b.v_scale)
+
+
+def tol() -> dict:
+    return dict(atol=2e-5, rtol=1e-4)
+
+
+def test_same_metadata_new_layer():
+    # Every layer of a step: same metadata, another layer's q and caches.
+    a = make_batch(seed=1, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(50, 1), (20, 1), (70, 9), (33, 1)])
+    b = make_batch(seed=2, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(50, 1), (20, 1), (70, 9), (33, 1)])
+    for f in ("block_tables", "seq_lens", "cu_seqlens_q", "q_positions"):
+        setattr(b, f, getattr(a, f))
+    b.blocks, b.positions = a.blocks, a.positions
+    for x in (a, b, a):
+        torch.testing.assert_close(run(x), dense_attention(x), **tol())
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_in_place_edit_is_seen(inference):
+    # Under inference_mode (the engine's) tensors keep no version counter: edits still show.
+    with torch.inference_mode(inference):
+        _edit_is_seen()
+
+
+def _edit_is_seen() -> None:
+    b = make_batch(seed=3, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(40, 1), (64, 1), (17, 1)])
+    torch.testing.assert_close(run(b), dense_attention(b), **tol())
+    b.seq_lens[1] -= 5  # the last 5 keys of sequence 1 leave, its query moves back with them
+    b.q_positions[1] -= 5
+    b.positions[1] = [p - 5 for p in b.positions[1]]
+    torch.testing.assert_close(run(b), dense_attention(b), **tol())
+    b.block_tables[0, 0] = b.k_cache.shape[0]  # out of the cache: an error, not a stale plan
+    with pytest.raises(ValueError, match="outside the cache"):
+        run(b)
+
+
+def test_new_metadata_each_call():
+    b = make_batch(seed=4, hq=8, hkv=1, d=64, dtype=torch.float32, seqs=[(30, 1), (0, 0), (45, 1)])
+    want = dense_attention(b)
+    for _ in range(3):
+        b.block_tables, b.seq_lens = b.block_tables.clone(), b.seq_lens.clone()
+        torch.testing.assert_close(run(b), want, **tol())
