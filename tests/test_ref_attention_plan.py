@@ -54,6 +54,15 @@ def _edit_is_seen() -> None:
         run(b)
 
 
+def test_interleaved_groups():
+    # A step's decode groups alternate within each layer: each must get its own plan back.
+    groups = [make_batch(seed=10 + i, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(20 + 30 * i, 1), (9 + i, 1)])
+              for i in range(3)]
+    for _ in range(3):
+        for b in groups:
+            torch.testing.assert_close(run(b), dense_attention(b), **tol())
+
+
 def test_new_metadata_each_call():
     b = make_batch(seed=4, hq=8, hkv=1, d=64, dtype=torch.float32, seqs=[(30, 1), (0, 0), (45, 1)])
     want = dense_attention(b)
