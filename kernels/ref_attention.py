@@ -85,7 +85,10 @@ class _Workspace(threading.local):
     def get(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self.bufs.get((slot, dtype, device))
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            # A normal tensor even when the first caller runs under inference_mode: an inference
+            # tensor could not be written by a later caller outside it.
+            with torch.inference_mode(False):
+                buf = torch.empty(numel, dtype=dtype, device=device)
             self.bufs[(slot, dtype, device)] = buf
         return buf[:numel]
 

@@ -69,3 +69,21 @@ def test_new_metadata_each_call():
     for _ in range(3):
         b.block_tables, b.seq_lens = b.block_tables.clone(), b.seq_lens.clone()
         torch.testing.assert_close(run(b), want, **tol())
+
+
+def test_workspace_from_inference_mode_serves_callers_outside_it() -> None:
+    """The engine calls under inference_mode; a later plain caller reuses the same scratch."""
+    from kernels import paged_attention
+
+    nb, bs, h, d = 64, 16, 2, 64
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(nb, bs, h, d, generator=g).to(torch.float8_e4m3fn)
+    vc = torch.randn(nb, bs, h, d, generator=g).to(torch.float8_e4m3fn)
+    q = torch.randn(4, 8, d, generator=g).bfloat16()
+    args = (kc, vc, torch.arange(64, dtype=torch.int32).view(4, 16), torch.full((4,), 250, dtype=torch.int32),
+            torch.arange(5, dtype=torch.int32), torch.full((4,), 249, dtype=torch.int32), 0.125,
+            torch.ones(h), torch.ones(h))
+    with torch.inference_mode():
+        first = paged_attention(q, *args).clone()
+    again = paged_attention(q.clone(), *args)  # outside inference_mode, same workspace
+    torch.testing.assert_close(again, first)
