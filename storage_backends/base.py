@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import re
 import time
 from collections import deque
@@ -212,6 +213,42 @@ class Tier(abc.ABC):
         """Hold (ns, key) against eviction: `with tier.lease(k): ...`; ends by itself after ttl.
         Tiers without eviction pressure (remote ones) may return a lease that holds nothing."""
         return Leases().take(ns, key, ttl)
+
+
+class IndexedTier(Tier):
+    """What the local tiers (gpu, cpu, disk) share: an LRU `index` keyed by (ns, key), per-namespace
+    `counts`, `leases`, and stats. A subclass sets those attributes, `used_bytes`,
+    `config.lease_ttl_s`, and implements `_remove(ns, key) -> bool`."""
+
+    index: dict
+    counts: dict[str, int]
+    leases: Leases
+    _stats: TierStats
+    _get_lat: Latency
+    _put_lat: Latency
+
+    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
+        check_namespace(ns)
+        return [(ns, check_key(k)) in self.index for k in keys]
+
+    def _corrupt(self, ns: str, key: bytes) -> None:
+        """A corrupt or unreadable entry: a miss, counted as an error, and removed."""
+        self._stats.errors += 1
+        self._stats.misses += 1
+        self._remove(ns, key)
+
+    def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
+        ttl = self.config.lease_ttl_s if ttl is None else ttl
+        return self.leases.take(check_namespace(ns), check_key(key), ttl)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.used_bytes, s.num_segments = self.used_bytes, len(self.index)
+        s.get_latency, s.put_latency = self._get_lat.summary(), self._put_lat.summary()
+        return dataclasses.replace(s)
+
+    def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
+        return self.counts.get(ns, 0)
 
 
 def check_key(key: bytes) -> bytes:

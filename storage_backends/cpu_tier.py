@@ -1,16 +1,15 @@
 """The cpu tier: encoded segments laid over fixed pages of one preallocated host buffer."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import torch
 
-from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Leases, Lease, Tier, TierStats,
-                                   check_key, check_namespace, parse_size)
+from storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
+                                   check_namespace, parse_size)
 from storage_backends.buffers import copy_into, out_view
 from storage_backends.pages import PageAllocator, runs
 from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, checksum, decode_layer
@@ -42,7 +41,7 @@ class CpuEntry:
     pages: list[int]
 
 
-class CpuTier(Tier):
+class CpuTier(IndexedTier):
     """Host-memory tier. Not thread-safe: use it from one event loop. Every operation runs
     without awaiting, so a get never sees a half-written or half-evicted segment. Checksums
     are checked on get only with verify_gets (see CpuTierConfig); the gpu tier does the same."""
@@ -66,10 +65,6 @@ class CpuTier(Tier):
         self._get_lat, self._put_lat = Latency(), Latency()
 
     # -- reading ---------------------------------------------------------------------------
-    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
-        check_namespace(ns)
-        return [(ns, check_key(k)) in self.index for k in keys]
-
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
         check_namespace(ns)
         t0 = time.perf_counter()
@@ -208,28 +203,10 @@ class CpuTier(Tier):
             del self.counts[ns]
         return True
 
-    def _corrupt(self, ns: str, key: bytes) -> None:
-        self._stats.errors += 1
-        self._stats.misses += 1
-        self._remove(ns, key)
-
     # -- bookkeeping -----------------------------------------------------------------------
-    def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
-        ttl = self.config.lease_ttl_s if ttl is None else ttl
-        return self.leases.take(check_namespace(ns), check_key(key), ttl)
-
     @property
     def used_bytes(self) -> int:
         return (self.pages.num_pages - self.pages.num_free) * self.config.page_bytes
-
-    def stats(self) -> TierStats:
-        s = self._stats
-        s.used_bytes, s.num_segments = self.used_bytes, len(self.index)
-        s.get_latency, s.put_latency = self._get_lat.summary(), self._put_lat.summary()
-        return dataclasses.replace(s)
-
-    def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
-        return self.counts.get(ns, 0)
 
     def check_integrity(self) -> None:
         """Allocator and index agree: no overlap, no leak, usage within capacity."""

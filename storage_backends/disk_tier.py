@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import re
 import time
@@ -10,12 +9,12 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import aiofiles
 
-from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Lease, Leases, Tier, TierStats,
-                                   check_key, check_namespace, parse_size)
+from storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
+                                   check_namespace, parse_size)
 from storage_backends.buffers import copy_into, out_view
 from storage_backends.segment import (PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum,
                                       decode_layer)
@@ -43,7 +42,7 @@ class DiskEntry:
     prefix: bytes  # the file's first PREFIX_NBYTES, which hold the header's checksum
 
 
-class DiskTier(Tier):
+class DiskTier(IndexedTier):
     """File tier. Writes go to a temp name, are fsynced, then renamed: a reader sees a whole file
     or none. At start the index is rebuilt from the file headers (LRU order by mtime); temp,
     partial and corrupt files are removed. A read or write fault is a miss or False, counted."""
@@ -93,10 +92,6 @@ class DiskTier(Tier):
         return self.root / ns / f"{key.hex()}.tkv"
 
     # -- reading ---------------------------------------------------------------------------
-    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
-        check_namespace(ns)
-        return [(ns, check_key(k)) in self.index for k in keys]
-
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
         check_namespace(ns)
         t0 = time.perf_counter()
@@ -126,7 +121,7 @@ class DiskTier(Tier):
                 seg = KVSegment.from_parts(h, head)
                 seg = copy_into(seg, h, out) if out is not None else seg
         except (OSError, SegmentError):
-            self._fault(ns, key)
+            self._corrupt(ns, key)
             return None
         if (ns, key) in self.index:
             self.index.move_to_end((ns, key))
@@ -159,7 +154,7 @@ class DiskTier(Tier):
                         self._stats.bytes_out += n
                         yield LayerChunk(h, i, data)
             except (OSError, SegmentError):
-                self._fault(ns, key)
+                self._corrupt(ns, key)
 
     # -- writing ---------------------------------------------------------------------------
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
@@ -264,25 +259,7 @@ class DiskTier(Tier):
             self._stats.errors += 1
         return True
 
-    def _fault(self, ns: str, key: bytes) -> None:
-        self._stats.errors += 1
-        self._stats.misses += 1
-        self._remove(ns, key)
-
     # -- bookkeeping -----------------------------------------------------------------------
-    def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
-        ttl = self.config.lease_ttl_s if ttl is None else ttl
-        return self.leases.take(check_namespace(ns), check_key(key), ttl)
-
-    def stats(self) -> TierStats:
-        s = self._stats
-        s.used_bytes, s.num_segments = self.used_bytes, len(self.index)
-        s.get_latency, s.put_latency = self._get_lat.summary(), self._put_lat.summary()
-        return dataclasses.replace(s)
-
-    def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
-        return self.counts.get(ns, 0)
-
     def check_integrity(self) -> None:
         assert self.used_bytes == sum(e.header.nbytes for e in self.index.values()), "used bytes drifted"
         assert self.used_bytes + self.reserved_bytes <= self.config.capacity_bytes, "above capacity"

@@ -1,16 +1,15 @@
 """The gpu tier: segments kept as device tensors, the hot tier beside the engine."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import torch
 
-from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Lease, Leases, Tier, TierStats,
-                                   check_key, check_namespace, parse_size)
+from storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
+                                   check_namespace, parse_size)
 from storage_backends.buffers import clone_to, copy_into, with_payload
 from storage_backends.segment import KVSegment, SegmentError
 
@@ -25,7 +24,7 @@ class GpuTierConfig:
         self.capacity_bytes = parse_size(self.capacity_bytes)
 
 
-class GpuTier(Tier):
+class GpuTier(IndexedTier):
     """Device-memory tier. A segment returned by get (without out) shares the tier's device
     tensor: read it, never write it. Device memory is not re-checksummed on get (that would
     copy it to the host); it holds only copies made by put. Not thread-safe: one event loop."""
@@ -44,10 +43,6 @@ class GpuTier(Tier):
         self._stats = TierStats(name=self.name, capacity_bytes=self.config.capacity_bytes,
                                 device=str(self.device), notes=notes)
         self._get_lat, self._put_lat = Latency(), Latency()
-
-    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
-        check_namespace(ns)
-        return [(ns, check_key(k)) in self.index for k in keys]
 
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
         check_namespace(ns)
@@ -140,19 +135,6 @@ class GpuTier(Tier):
         if not self.counts[ns]:
             del self.counts[ns]
         return True
-
-    def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
-        ttl = self.config.lease_ttl_s if ttl is None else ttl
-        return self.leases.take(check_namespace(ns), check_key(key), ttl)
-
-    def stats(self) -> TierStats:
-        s = self._stats
-        s.used_bytes, s.num_segments = self.used_bytes, len(self.index)
-        s.get_latency, s.put_latency = self._get_lat.summary(), self._put_lat.summary()
-        return dataclasses.replace(s)
-
-    def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
-        return self.counts.get(ns, 0)
 
     def check_integrity(self) -> None:
         assert self.used_bytes == sum(_nbytes(s) for s in self.index.values()), "used bytes drifted"
