@@ -12,65 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_checks import check_attention_args, check_attention_values
 from kernels.fp8 import is_fp8
 
 PLANS = 8  # plans kept per thread: an engine step makes one call per decode group and layer
-
-
-def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor,
-                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
-    """Shape, dtype and range checks shared by the reference and the Triton path."""
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q must be [Nq, Hq, D], caches [num_blocks, block_size, Hkv, D]; got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    nq, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d or hq % hkv:
-        raise ValueError(f"head dim {k_cache.shape[3]} vs {d}, or Hq={hq} not a multiple of Hkv={hkv}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q dtype {q.dtype} not supported")
-    if is_fp8(k_cache) != is_fp8(v_cache) or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must share a dtype")
-    if is_fp8(k_cache):
-        for s in (k_scale, v_scale):
-            if s is None or s.shape != (hkv,) or s.dtype != torch.float32:
-                raise ValueError(f"fp8 KV needs float32 k_scale and v_scale of shape [{hkv}]")
-    elif k_cache.dtype != q.dtype and k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"cache dtype {k_cache.dtype} not supported")
-    b = seq_lens.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != b or cu_seqlens_q.shape != (b + 1,):
-        raise ValueError(f"block_tables [B, max_blocks], seq_lens [B], cu_seqlens_q [B+1] disagree: "
-                         f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}, {tuple(cu_seqlens_q.shape)}")
-    if q_positions.shape != (nq,):
-        raise ValueError(f"q_positions must be [{nq}], got {tuple(q_positions.shape)}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
-                    ("cu_seqlens_q", cu_seqlens_q), ("q_positions", q_positions)):
-        if t.dtype not in (torch.int32, torch.int64) or t.device != q.device:
-            raise ValueError(f"{name} must be an int32/int64 tensor on {q.device}")
-
-
-def check_attention_values(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           q_positions: torch.Tensor) -> None:
-    """Range checks in one host sync: a bad block id must be an error, never a wild read."""
-    cu = cu_seqlens_q.long()
-    lens = seq_lens.long()
-    need = (lens + k_cache.shape[1] - 1) // k_cache.shape[1]
-    used = torch.arange(block_tables.shape[1], device=q.device) < need[:, None]
-    zero = torch.zeros((), dtype=torch.bool, device=q.device)
-    flags = torch.stack([
-        (cu[0] != 0) | (cu[-1] != q.shape[0]) | (cu[1:] < cu[:-1]).any(),
-        (lens < 0).any() | (q_positions < 0).any() if q_positions.numel() else (lens < 0).any(),
-        need.max() > block_tables.shape[1] if need.numel() else zero,
-        (used & ((block_tables < 0) | (block_tables >= k_cache.shape[0]))).any(),
-    ]).tolist()
-    for bad, msg in zip(flags, ("cu_seqlens_q must rise from 0 to Nq", "seq_lens and q_positions must be >= 0",
-                                "a sequence has more keys than its block table covers",
-                                "block table entry outside the cache")):
-        if bad:
-            raise ValueError(msg)
+CHUNK = 64  # query rows per masked SDPA call: each call reads keys only up to its last position
 
 
 class _Workspace(threading.local):
@@ -153,6 +99,7 @@ class _Plan:
     dec_ids: torch.Tensor | None  # int64 [b * nblk] cache blocks of the decodes, padding clamped
     dec_hidden: torch.Tensor | None  # bool [b, 1, nblk * bs]: key j of decode i is not visible
     prefills: list[tuple[int, int, int, int]]  # (sequence, first row, end row, keys) of the others
+    chunks: list[list[tuple[int, int, int]]]  # per prefill: (first row, end row, keys) or [] if causal
 
 
 def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -181,9 +128,21 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, se
     pre = [(b, int(cu[b]), int(cu[b + 1]), int(lens[b]))
            for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist()]
     dec_all = rows is not None and rows.numel() == q.shape[0]  # one row each: rows are 0..Nq-1
-    plans.insert(0, _Plan(key, pos, rows, dec_all, ids, hidden, pre))
+    chunks = [_chunks(pos[s:e], t) for _, s, e, t in pre]
+    plans.insert(0, _Plan(key, pos, rows, dec_all, ids, hidden, pre, chunks))
     del plans[PLANS:]
     return plans[0]
+
+
+def _chunks(pos: torch.Tensor, length: int) -> list[tuple[int, int, int]]:
+    """Row chunks of a masked prefill with the keys each needs (up to its last visible
+    position): sparse or offset queries then cost about their causal share of the key
+    rectangle, not all of it. [] for a whole prompt from position 0 (SDPA's causal path)."""
+    n = pos.shape[0]
+    if n == length and torch.equal(pos, torch.arange(n, device=pos.device)):
+        return []
+    top = F.pad(pos, (0, -n % CHUNK), value=-1).view(-1, CHUNK).amax(1).add_(1).clamp_(max=length)
+    return [(i * CHUNK, min(n, (i + 1) * CHUNK), t) for i, t in enumerate(top.tolist())]
 
 
 def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -213,19 +172,20 @@ def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.
     return o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, hq, d)
 
 
-def _prefill(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
-             scale: float) -> torch.Tensor:
+def _prefill(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             chunks: list[tuple[int, int, int]], scale: float) -> torch.Tensor:
     """Several queries of one sequence: q [Lq, Hq, D], k/v [1, Hkv, T, D] -> [Lq, Hq, D]."""
     qt = q.transpose(0, 1)[None]
-    n = q.shape[0]
-    if n == length and torch.equal(pos, torch.arange(n, device=pos.device)):
-        # A whole prompt from position 0: SDPA's own causal mask lets it skip masked tiles.
+    if not chunks:  # a whole prompt from position 0: SDPA's own causal mask skips masked tiles
         out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        j = torch.arange(k.shape[2], device=q.device)
-        mask = (j[None, :] <= pos[:, None]) & (j[None, :] < length)
-        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+        return out[0].transpose(0, 1)
+    out = torch.empty_like(q)
+    for s, e, t in chunks:  # t >= 1: keys and positions are checked non-negative
+        mask = torch.arange(t, device=q.device)[None, :] <= pos[s:e, None]
+        o = F.scaled_dot_product_attention(qt[:, :, s:e], k[:, :, :t], v[:, :, :t], attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -244,7 +204,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.zeros_like(q)
     if plan.dec_rows is not None:
         out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale)
-    for b, s, e, t in plan.prefills:
+    for (b, s, e, t), chunks in zip(plan.prefills, plan.chunks):
         k, v = _dense_kv(k_cache, v_cache, block_tables[b:b + 1], t, k_scale, v_scale, q.dtype)
-        out[s:e] = _prefill(q[s:e], plan.pos[s:e], k, v, t, scale)
+        out[s:e] = _prefill(q[s:e], plan.pos[s:e], k, v, chunks, scale)
     return out

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.fp8 import is_fp8
 from kernels.triton_common import cdiv, rmax, rsum
-from kernels.ref_attention import check_attention_args, check_attention_values
+from kernels.attention_checks import check_attention_args, check_attention_values
 
 
 @triton.jit

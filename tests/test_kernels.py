@@ -51,6 +51,18 @@ def test_reference_property(seqs, heads, seed):
     torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(torch.float32))
 
 
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_reference_query_chunks(monkeypatch, chunk):
+    # Masked prefills run in row chunks, each over keys up to its highest position: shuffled
+    # sparse rows, a chunked prefill over a cached prefix, chunks that end mid-block or hold one row.
+    import kernels.ref_attention as ref
+    monkeypatch.setattr(ref, "CHUNK", chunk)
+    ref._WS.plans.clear()
+    b = make_batch(seed=11, hq=8, hkv=2, d=64, dtype=torch.float32,
+                   seqs=[(400, "sparse"), (300, 130), (65, 65), (29, [28, 0, 3]), (5, 1)])
+    torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(torch.float32))
+
+
 def test_causal_by_position():
     # A query sees exactly the keys at positions <= its own: changing a later key must not
     # move it, changing an earlier one must.
