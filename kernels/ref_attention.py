@@ -149,27 +149,21 @@ def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.
             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
     """One query per sequence: q [b, Hq, D] over the plan's decode blocks -> [b, Hq, D].
 
-    Keys stay in the cache's token-major layout [b, T, Hkv * D]; the query goes block-diagonal
-    (query head h*g + i holds its vector in kv head h's columns, zeros elsewhere), so scores
-    and values are two contiguous bmms with no head-major transpose. The zero columns cost
-    FLOPs, not time: at one query per head these bmms are bound by reading K and V. Scores go
-    to fp32 for the mask and softmax; probabilities are cast back to the value dtype, as CPU
-    SDPA does."""
+    Keys stay in the gathered token-major layout [b, T, Hkv, D] and reach SDPA as a strided
+    head-major view, each KV head's query group as its query rows: CPU SDPA's flash path then
+    reads K and V once and does its fp32 math in tiles, where a bf16 bmm can fall back to a
+    slow GEMM on CPUs without native bf16."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
-    g = hq // hkv
     kv = []
     for i, (cache, sc) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
         x = gather_blocks(cache, plan.dec_ids, b, i)
         if is_fp8(cache):
             x = x.float() * sc.view(1, 1, -1, 1)
-        kv.append((x if x.dtype == q.dtype else x.to(q.dtype)).view(b, -1, hkv * d))
-    qd = q.new_zeros(b, hkv, g, hkv, d)
-    qd.diagonal(dim1=1, dim2=3).copy_(q.view(b, hkv, g, d).permute(0, 2, 3, 1))
-    s = torch.bmm(qd.view(b, hq, hkv * d), kv[0].transpose(1, 2)).float().mul_(scale)
-    s.masked_fill_(plan.dec_hidden, float("-inf"))
-    o = torch.bmm(s.softmax(-1).to(q.dtype), kv[1]).view(b, hkv, g, hkv, d)
-    return o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, hq, d)
+        kv.append((x if x.dtype == q.dtype else x.to(q.dtype)).transpose(1, 2))
+    o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), kv[0], kv[1],
+                                       attn_mask=~plan.dec_hidden[:, :, None, :], scale=scale)
+    return o.reshape(b, hq, d)
 
 
 def _prefill(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
