@@ -97,9 +97,9 @@ class _Plan:
     dec_rows: torch.Tensor | None  # query row of each decode sequence; None: no decodes
     dec_all: bool  # the decode rows are all of q, in order
     dec_ids: torch.Tensor | None  # int64 [b * nblk] cache blocks of the decodes, padding clamped
-    dec_hidden: torch.Tensor | None  # bool [b, 1, nblk * bs]: key j of decode i is not visible
-    prefills: list[tuple[int, int, int, int]]  # (sequence, first row, end row, keys) of the others
-    chunks: list[list[tuple[int, int, int]]]  # per prefill: (first row, end row, keys) or [] if causal
+    dec_visible: torch.Tensor | None  # bool [b, 1, 1, nblk * bs]: key j of decode i is visible
+    # The others: (sequence, first row, end row, keys, row chunks of _chunks).
+    prefills: list[tuple[int, int, int, int, list[tuple[int, int, int]]]]
 
 
 def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -117,19 +117,18 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, se
     lens, cu, pos = seq_lens.long(), cu_seqlens_q.long(), q_positions.long()
     counts = cu[1:] - cu[:-1]
     dec = torch.nonzero((counts == 1) & (lens > 0)).flatten()
-    rows = ids = hidden = None
+    rows = ids = visible = None
     if dec.numel():
         rows, bs = cu[dec], k_cache.shape[1]
         nblk = -(-int(lens[dec].max()) // bs)
         ids = block_tables[dec, :nblk].long().clamp(0, k_cache.shape[0] - 1).flatten()
-        visible = torch.minimum(lens[dec], pos[rows] + 1)  # key j is seen iff j < seq_len and j <= pos
-        hidden = (torch.arange(nblk * bs, device=q.device) >= visible[:, None])[:, None, :]
+        seen = torch.minimum(lens[dec], pos[rows] + 1)  # key j is seen iff j < seq_len and j <= pos
+        visible = (torch.arange(nblk * bs, device=q.device) < seen[:, None])[:, None, None, :]
     # A sequence with no keys has nothing to attend to: its rows stay zero.
-    pre = [(b, int(cu[b]), int(cu[b + 1]), int(lens[b]))
+    pre = [(b, int(cu[b]), int(cu[b + 1]), int(lens[b]), _chunks(pos[cu[b]:cu[b + 1]], int(lens[b])))
            for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist()]
     dec_all = rows is not None and rows.numel() == q.shape[0]  # one row each: rows are 0..Nq-1
-    chunks = [_chunks(pos[s:e], t) for _, s, e, t in pre]
-    plans.insert(0, _Plan(key, pos, rows, dec_all, ids, hidden, pre, chunks))
+    plans.insert(0, _Plan(key, pos, rows, dec_all, ids, visible, pre))
     del plans[PLANS:]
     return plans[0]
 
@@ -162,7 +161,7 @@ def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.
             x = x.float() * sc.view(1, 1, -1, 1)
         kv.append((x if x.dtype == q.dtype else x.to(q.dtype)).transpose(1, 2))
     o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), kv[0], kv[1],
-                                       attn_mask=~plan.dec_hidden[:, :, None, :], scale=scale)
+                                       attn_mask=plan.dec_visible, scale=scale)
     return o.reshape(b, hq, d)
 
 
@@ -198,7 +197,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.zeros_like(q)
     if plan.dec_rows is not None:
         out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale)
-    for (b, s, e, t), chunks in zip(plan.prefills, plan.chunks):
+    for b, s, e, t, chunks in plan.prefills:
         k, v = _dense_kv(k_cache, v_cache, block_tables[b:b + 1], t, k_scale, v_scale, q.dtype)
         out[s:e] = _prefill(q[s:e], plan.pos[s:e], k, v, chunks, scale)
     return out
