@@ -1,7 +1,8 @@
 """Kernels of tierkv: paged attention, KV write, gather/scatter, RoPE, fp8.
 
 Each public function dispatches: the Triton kernel on CUDA tensors (or CPU tensors under
-TRITON_INTERPRET=1), the torch reference otherwise. Triton is imported lazily.
+TRITON_INTERPRET=1), the torch reference otherwise; on a CPU, paged attention's decodes go
+through the C++ kernel of cpu_attention.py. Triton is imported lazily.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                       q_positions, scale, k_scale, v_scale,
                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                               q_positions, scale, k_scale, v_scale)
+                               q_positions, scale, k_scale, v_scale, cpu_kernel=True)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_attention
 from kernels.attention_checks import check_attention_args, check_attention_values
 from kernels.fp8 import is_fp8
 
@@ -98,6 +99,7 @@ class _Plan:
     dec_all: bool  # the decode rows are all of q, in order
     dec_ids: torch.Tensor | None  # int64 [b * nblk] cache blocks of the decodes, padding clamped
     dec_visible: torch.Tensor | None  # bool [b, 1, 1, nblk * bs]: key j of decode i is visible
+    dec_seen: torch.Tensor | None  # int64 [b]: keys visible to decode i (a prefix of its blocks)
     # The others: (sequence, first row, end row, keys, row chunks of _chunks).
     prefills: list[tuple[int, int, int, int, list[tuple[int, int, int]]]]
 
@@ -117,7 +119,7 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, se
     lens, cu, pos = seq_lens.long(), cu_seqlens_q.long(), q_positions.long()
     counts = cu[1:] - cu[:-1]
     dec = torch.nonzero((counts == 1) & (lens > 0)).flatten()
-    rows = ids = visible = None
+    rows = ids = visible = seen = None
     if dec.numel():
         rows, bs = cu[dec], k_cache.shape[1]
         nblk = -(-int(lens[dec].max()) // bs)
@@ -128,7 +130,7 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, se
     pre = [(b, int(cu[b]), int(cu[b + 1]), int(lens[b]), _chunks(pos[cu[b]:cu[b + 1]], int(lens[b])))
            for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist()]
     dec_all = rows is not None and rows.numel() == q.shape[0]  # one row each: rows are 0..Nq-1
-    plans.insert(0, _Plan(key, pos, rows, dec_all, ids, visible, pre))
+    plans.insert(0, _Plan(key, pos, rows, dec_all, ids, visible, seen, pre))
     del plans[PLANS:]
     return plans[0]
 
@@ -145,7 +147,7 @@ def _chunks(pos: torch.Tensor, length: int) -> list[tuple[int, int, int]]:
 
 
 def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, cpu_kernel: bool) -> torch.Tensor:
     """One query per sequence: q [b, Hq, D] over the plan's decode blocks -> [b, Hq, D].
 
     Keys stay in the gathered token-major layout [b, T, Hkv, D] and reach SDPA as a strided
@@ -153,6 +155,9 @@ def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.
     reads K and V once and does its fp32 math in tiles, where a bf16 bmm can fall back to a
     slow GEMM on CPUs without native bf16."""
     b, hq, d = q.shape
+    if cpu_kernel and cpu_attention.usable(q, k_cache, v_cache):
+        return cpu_attention.paged_decode(q, k_cache, v_cache, plan.dec_ids.view(b, -1), plan.dec_seen, scale,
+                                          k_scale, v_scale)
     hkv = k_cache.shape[2]
     kv = []
     for i, (cache, sc) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
@@ -185,7 +190,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor, scale: float,
                         k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: torch.Tensor | None = None, cpu_kernel: bool = False) -> torch.Tensor:
+    """cpu_kernel: decodes go through the C++ kernel of cpu_attention.py where it is usable
+    (the engine's CPU path); False keeps everything in torch (the reference proper)."""
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
                          k_scale, v_scale)
     if q.shape[0] == 0:
@@ -193,10 +200,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return torch.zeros_like(q)
     plan = _plan(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
     if plan.dec_all:
-        return _decode(q, plan, k_cache, v_cache, scale, k_scale, v_scale)
+        return _decode(q, plan, k_cache, v_cache, scale, k_scale, v_scale, cpu_kernel)
     out = torch.zeros_like(q)
     if plan.dec_rows is not None:
-        out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale)
+        out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale,
+                                      cpu_kernel)
     for b, s, e, t, chunks in plan.prefills:
         k, v = _dense_kv(k_cache, v_cache, block_tables[b:b + 1], t, k_scale, v_scale, q.dtype)
         out[s:e] = _prefill(q[s:e], plan.pos[s:e], k, v, chunks, scale)

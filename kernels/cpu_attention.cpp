@@ -1,0 +1,286 @@
+// Paged decode attention for CPUs: one query per sequence, keys read in place from the
+// paged cache (no gather), fp32 math, online softmax in tiles of 16 tokens. Registered as
+// torch.ops.tierkv.paged_decode; kernels/cpu_attention.py builds and loads it.
+//
+// Work is split over (sequence, key split): a task walks its blocks once, each K and V row
+// serving every query head of its KV head's group, so the cache is read once per step, as
+// a dense SDPA over pre-gathered KV would. Math is in GCC vector extensions of 16 floats
+// (one AVX-512 register; two AVX2 ones elsewhere).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+namespace {
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+
+constexpr int L = 16;          // lanes: floats per vector, tokens per tile
+constexpr int kMaxC = 16;      // head_dim / L
+constexpr int kMaxG = 16;      // query heads per KV head
+constexpr int kAhead = 4;      // blocks prefetched ahead
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline vf16 splat(float x) { return vf16{} + x; }
+
+// 16 elements of a cache row or of q as fp32 (unaligned loads).
+inline vf16 load16(const float* p, const float*) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf16 load16(const at::BFloat16* p, const float*) {  // bf16 is the top half of an fp32
+  vu16 u;
+  std::memcpy(&u, p, sizeof u);
+  return (vf16)(__builtin_convertvector(u, vi16) << 16);
+}
+inline vf16 load16(const at::Half* p, const float*) {
+  vf16 v;
+  for (int i = 0; i < L; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+// fp8 e4m3 as raw bytes: a 256-entry table made by torch itself, so the decoding is exact.
+inline vf16 load16(const uint8_t* p, const float* lut) {
+  vf16 v;
+  for (int i = 0; i < L; ++i) v[i] = lut[p[i]];
+  return v;
+}
+
+template <typename T>
+inline void store(const float* s, T* d, int n) {
+  for (int i = 0; i < n; ++i) d[i] = static_cast<T>(s[i]);
+}
+
+// exp of a vector: Cephes' expf polynomial (about 1 ulp); exactly 0 below -87 (masked lanes).
+inline vf16 vexp(vf16 x) {
+  vf16 xc = x < splat(-87.f) ? splat(-87.f) : x;
+  xc = xc > splat(88.f) ? splat(88.f) : xc;
+  const vf16 n = (xc * 1.44269504089f + 12582912.f) - 12582912.f;  // round to nearest
+  const vf16 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vf16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return x < splat(-87.f) ? splat(0.f) : p * (vf16)e;
+}
+
+// x[t] holds 16 partial products of token t's score; lane t of the result is their sum.
+// Four shuffle-add stages, each halving the vectors and the lanes per token.
+inline vf16 sum_rows(vf16* x) {
+  const vi16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vi16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi16 b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const vi16 a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi16 b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const vi16 a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi16 b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const vi16* masks[4][2] = {{&a1, &b1}, {&a2, &b2}, {&a3, &b3}, {&a4, &b4}};
+  for (int stage = 0, n = L; stage < 4; ++stage, n /= 2)
+    for (int j = 0; j < n / 2; ++j)
+      x[j] = __builtin_shuffle(x[2 * j], x[2 * j + 1], *masks[stage][0]) +
+             __builtin_shuffle(x[2 * j], x[2 * j + 1], *masks[stage][1]);
+  return x[0];
+}
+
+struct Partial {  // online-softmax state of one (task, KV head): running max, sum, weighted V
+  float m[kMaxG];
+  float l[kMaxG];
+  vf16 acc[kMaxG * kMaxC];
+};
+
+// n <= 16 tokens of one KV head (rows at k and v, `row` elements apart) into p. q is
+// [G, C] vectors, already scaled. CT: C known at compile time (0: take the argument), so
+// the common head dims get fully unrolled row loops.
+template <int CT, typename T>
+void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, int64_t row, int n, const float* lut,
+                 Partial& p) {
+  const int C = CT ? CT : C_;
+  vf16 x[kMaxG][L], kr[kMaxC], vr[L][kMaxC];
+  alignas(64) float w[kMaxG][L];
+  for (int t = 0; t < n; ++t) {
+    for (int c = 0; c < C; ++c) kr[c] = load16(k + t * row + c * L, lut);
+    for (int g = 0; g < G; ++g) {
+      vf16 a = q[g * C] * kr[0];
+      for (int c = 1; c < C; ++c) a += q[g * C + c] * kr[c];
+      x[g][t] = a;
+    }
+  }
+  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int g = 0; g < G; ++g) {
+    for (int t = n; t < L; ++t) x[g][t] = splat(0.f);
+    vf16 s = sum_rows(x[g]);
+    s = lane < n ? s : splat(-kInf);
+    float mx = p.m[g];
+    for (int t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+    const vf16 e = vexp(s - mx);
+    float sum = 0.f;
+    for (int t = 0; t < n; ++t) sum += e[t];
+    const float corr = std::exp(p.m[g] - mx);  // the first tile: exp(-inf) = 0
+    p.l[g] = p.l[g] * corr + sum;
+    p.m[g] = mx;
+    std::memcpy(w[g], &e, sizeof e);
+    for (int c = 0; c < C; ++c) p.acc[g * C + c] *= corr;
+  }
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < C; ++c) vr[t][c] = load16(v + t * row + c * L, lut);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) {
+      vf16 a = p.acc[g * C + c];
+      for (int t = 0; t < n; ++t) a += w[g][t] * vr[t][c];
+      p.acc[g * C + c] = a;
+    }
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // into L2: more misses in flight
+}
+
+// Keys [k0, k1) of one sequence, every KV head, into p[0..hkv); q is [hkv * G, C] vectors.
+// Blocks sit at random places in the cache, so the hardware prefetcher cannot guess the
+// next one: each block's K and V (contiguous: a token's heads are adjacent) are prefetched
+// kAhead blocks early.
+template <int CT, typename T>
+void attend(const vf16* q, int G, int C, int hkv, const T* kc, const T* vc, const int64_t* blocks,
+            int64_t k0, int64_t k1, int bs, const float* lut, Partial* p) {
+  for (int h = 0; h < hkv; ++h) {
+    std::fill(p[h].m, p[h].m + G, -kInf);
+    std::fill(p[h].l, p[h].l + G, 0.f);
+    std::fill(p[h].acc, p[h].acc + G * C, splat(0.f));
+  }
+  const int64_t row = int64_t(hkv) * C * L;  // elements between tokens of a block
+  auto fetch = [&](int64_t first) {  // the block holding key `first`, from that key on
+    const int64_t bytes = std::min<int64_t>(bs - first % bs, k1 - first) * row * int64_t(sizeof(T));
+    const int64_t at = (blocks[first / bs] * bs + first % bs) * row;
+    prefetch(kc + at, bytes);
+    prefetch(vc + at, bytes);
+  };
+  for (int64_t j = 0; j < kAhead && k0 + j * bs < k1; ++j) fetch(j ? (k0 / bs + j) * bs : k0);
+  for (int64_t start = k0; start < k1;) {
+    const int64_t ahead = (start / bs + kAhead) * bs;
+    if (start % bs < L && ahead < k1) fetch(ahead);  // once per block
+    const int n = int(std::min<int64_t>({L, bs - start % bs, k1 - start}));
+    const int64_t base = (blocks[start / bs] * bs + start % bs) * row;
+    for (int h = 0; h < hkv; ++h)
+      attend_tile<CT>(q + h * G * C, G, C, kc + base + h * C * L, vc + base + h * C * L, row, n, lut, p[h]);
+    start += n;
+  }
+}
+
+template <typename T, typename O>
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
+         const at::Tensor& seen, double scale, const at::Tensor& ksc, const at::Tensor& vsc,
+         const at::Tensor& lut, int64_t splits, at::Tensor& out) {
+  const int b = q.size(0), hq = q.size(1), D = q.size(2);
+  const int bs = kc.size(1), hkv = kc.size(2);
+  const int G = hq / hkv;
+  const int64_t nblk = ids.size(1);
+  const O* qp = q.data_ptr<O>();
+  O* op = out.data_ptr<O>();
+  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* sp = seen.data_ptr<int64_t>();
+  const float* ks = ksc.defined() ? ksc.data_ptr<float>() : nullptr;
+  const float* vs = vsc.defined() ? vsc.data_ptr<float>() : nullptr;
+  const float* lp = lut.defined() ? lut.data_ptr<float>() : nullptr;
+  const int C = D / L;
+  // Default-initialized: every task writes its own state before reading it.
+  std::unique_ptr<Partial[]> parts(new Partial[size_t(b) * splits * hkv]);
+  at::parallel_for(0, int64_t(b) * splits, 1, [&](int64_t lo, int64_t hi) {
+    std::unique_ptr<vf16[]> qv(new vf16[size_t(hq) * C]);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t i = task / splits, sp_i = task % splits;
+      const int64_t len = sp[i], per = (len + splits - 1) / splits;
+      const int64_t k0 = std::min(len, sp_i * per), k1 = std::min(len, k0 + per);
+      for (int hd = 0; hd < hq; ++hd) {
+        const float f = float(scale) * (ks ? ks[hd / G] : 1.f);  // the K scale folds into q
+        for (int c = 0; c < C; ++c) qv[hd * C + c] = load16(qp + (i * hq + hd) * D + c * L, nullptr) * f;
+      }
+      Partial* p = &parts[task * hkv];
+      const int64_t* blocks = ip + i * nblk;
+      switch (C) {  // head dims 64 and 128 unrolled
+        case 4: attend<4, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;
+        case 8: attend<8, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;
+        default: attend<0, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p);
+      }
+    }
+  });
+  // Merge the splits of each (sequence, head) by log-sum-exp; no keys -> zeros.
+  at::parallel_for(0, int64_t(b) * hkv, 1, [&](int64_t lo, int64_t hi) {
+    vf16 o[kMaxC];
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t i = bh / hkv, h = bh % hkv;
+      const Partial* ps = &parts[(i * splits) * hkv + h];  // split j at ps[j * hkv]
+      for (int g = 0; g < G; ++g) {
+        float mx = -kInf, l = 0.f;
+        for (int64_t j = 0; j < splits; ++j) mx = std::max(mx, ps[j * hkv].m[g]);
+        std::fill(o, o + C, splat(0.f));
+        for (int64_t j = 0; j < splits && mx > -kInf; ++j) {
+          const Partial& pj = ps[j * hkv];
+          if (pj.l[g] == 0.f) continue;  // a split with no keys
+          const float c = std::exp(pj.m[g] - mx);
+          l += pj.l[g] * c;
+          for (int cc = 0; cc < C; ++cc) o[cc] += pj.acc[g * C + cc] * c;
+        }
+        const float r = l > 0.f ? (vs ? vs[h] : 1.f) / l : 0.f;
+        alignas(64) float flat[kMaxC * L];
+        for (int cc = 0; cc < C; ++cc) std::memcpy(flat + cc * L, &o[cc], sizeof(vf16));
+        for (int d = 0; d < D; ++d) flat[d] *= r;
+        store(flat, op + (i * hq + h * G + g) * D, D);
+      }
+    }
+  });
+}
+
+template <typename O>
+void by_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
+              const at::Tensor& seen, double scale, const at::Tensor& ks, const at::Tensor& vs,
+              const at::Tensor& lut, int64_t splits, at::Tensor& out) {
+  if (lut.defined())
+    run<uint8_t, O>(q, kc, vc, ids, seen, scale, ks, vs, lut, splits, out);
+  else
+    run<O, O>(q, kc, vc, ids, seen, scale, ks, vs, lut, splits, out);
+}
+
+// q [b, Hq, D]; k/v cache [nb, bs, Hkv, D] in q's dtype, or uint8 (fp8 bytes) with lut [256]
+// and per-head scales; ids [b, nblk] int64 valid block ids; seen [b] int64 keys visible to
+// each query (a prefix of its blocks). The caller (cpu_attention.py) checks all of this.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
+                        const at::Tensor& seen, double scale, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lut,
+                        int64_t splits) {
+  TORCH_CHECK(q.size(2) % L == 0 && q.size(2) <= L * kMaxC && q.size(1) / kc.size(2) <= kMaxG,
+              "paged_decode: head_dim a multiple of 16 up to 256, GQA group <= 16");
+  at::Tensor out = at::empty_like(q);
+  at::Tensor ks = k_scale.value_or(at::Tensor()), vs = v_scale.value_or(at::Tensor());
+  at::Tensor lt = lut.value_or(at::Tensor());
+  switch (q.scalar_type()) {
+    case at::kFloat: by_cache<float>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;
+    case at::kBFloat16: by_cache<at::BFloat16>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;
+    case at::kHalf: by_cache<at::Half>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;
+    default: TORCH_CHECK(false, "paged_decode: q must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tierkv, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor ids, Tensor seen, float scale, "
+        "Tensor? k_scale, Tensor? v_scale, Tensor? lut, int splits) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+}

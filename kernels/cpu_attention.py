@@ -1,0 +1,90 @@
+"""The engine's CPU decode attention: a C++ kernel (cpu_attention.cpp) that reads K and V in
+place from the paged cache, built on first use with torch's extension builder.
+
+The torch reference gathers every decode sequence's blocks into scratch before SDPA reads
+them, so it moves the KV three times; this kernel reads it once. Where it cannot be built
+(no compiler) or is turned off (TIERKV_CPU_KERNEL=0), the reference runs, with one warning.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from kernels.fp8 import FP8, is_fp8
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SPLIT_KEYS = 512  # keys per split-K task at least: fewer tasks than threads split long contexts
+
+
+def enabled() -> bool:
+    """TIERKV_CPU_KERNEL=0 turns the C++ decode kernel off (the torch reference runs)."""
+    return os.environ.get("TIERKV_CPU_KERNEL", "1") != "0"
+
+
+def _build_dir() -> Path:
+    """One build per source, torch version and CPU: -march=native code must not run on another
+    CPU (a cached build from a different host could hit an illegal instruction)."""
+    flags = ""
+    try:
+        flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
+    path = root / f"cpu_attention-{tag}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per machine, ~1 min) and load the kernel; False when that fails."""
+    try:
+        from torch.utils.cpp_extension import load as build
+        build(name="tierkv_cpu_attention", sources=[str(SOURCE)], build_directory=str(_build_dir()),
+              extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
+              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works
+        log.warning("tierkv: C++ CPU decode kernel unavailable (%s); using the torch reference", e)
+        return False
+    return True
+
+
+@functools.cache
+def _fp8_table() -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8).view(FP8).float()
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """True when the kernel serves this call: CPU tensors, a cache in q's dtype or fp8, the
+    kernel's size limits, and a successful build."""
+    g = q.shape[1] // k_cache.shape[2]
+    return (q.device.type == "cpu" and enabled() and (k_cache.dtype == q.dtype or is_fp8(k_cache))
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.shape[2] % 16 == 0 and q.shape[2] <= 256 and g <= 16 and load())
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor,
+                 seen: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b, Hq, D] (one query per sequence) over keys [0, seen[i]) of blocks ids[i] -> [b, Hq, D].
+
+    Contract (checked by the caller, kernels/ref_attention.py, before any read): ids [b, nblk]
+    int64 holds valid block ids of k_cache for every block that seen[i] covers; seen [b] int64
+    <= nblk * block_size; usable(q, k_cache, v_cache) is True; fp8 caches come with float32 scales [Hkv]."""
+    fp8 = is_fp8(k_cache)
+    kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
+    tasks = q.shape[0]
+    threads = torch.get_num_threads()
+    longest = int(ids.shape[1]) * k_cache.shape[1]
+    splits = 1 if tasks >= 2 * threads else max(1, min(-(-2 * threads // tasks), longest // SPLIT_KEYS))
+    return torch.ops.tierkv.paged_decode(q.contiguous(), kc, vc, ids, seen, scale,
+                                         k_scale if fp8 else None, v_scale if fp8 else None,
+                                         _fp8_table() if fp8 else None, splits)
+

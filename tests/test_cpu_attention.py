@@ -1,0 +1,134 @@
+"""The C++ CPU decode kernel (kernels/cpu_attention.cpp) against the torch reference and an
+independent dense attention. The kernel is built here (g++ from the machine, ninja from the
+test dependencies); a failed build fails these tests, it never skips them."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernels import cpu_attention, paged_attention, paged_attention_ref
+from tests.test_kernels import tol
+from tests.test_kernels_cases import Batch, dense_attention, make_batch
+
+
+@pytest.fixture(autouse=True)
+def _cpu_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TIERKV_CPU_KERNEL", raising=False)
+    assert cpu_attention.load(), "the C++ decode kernel did not build: see the log above"
+
+
+def both(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dispatch = the C++ kernel for decodes, the pure torch reference)."""
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.q_positions, b.scale,
+            b.k_scale, b.v_scale)
+    return paged_attention(*args), paged_attention_ref(*args, cpu_kernel=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 64), (8, 1, 128), (6, 2, 64), (4, 2, 80)])
+def test_decode_matches_reference_and_dense(dtype, hq, hkv, d):
+    # One query at the last position, keys not a multiple of the block size, a single key,
+    # a sequence with no keys, and one query at an earlier position than its last key.
+    b = make_batch(seed=hq * 3 + d, hq=hq, hkv=hkv, d=d, dtype=dtype,
+                   seqs=[(1, 1), (37, 1), (150, 1), (0, 0), (64, 1), (90, [40])])
+    assert cpu_attention.usable(b.q, b.k_cache, b.v_cache)
+    got, ref = both(b)
+    torch.testing.assert_close(got, ref, **tol(dtype))
+    torch.testing.assert_close(got, dense_attention(b), **tol(dtype))
+
+
+def test_fp8_kv_matches_reference():
+    b = make_batch(seed=5, hq=8, hkv=2, d=64, dtype=torch.bfloat16, fp8=True,
+                   seqs=[(40, 1), (17, 1), (300, 1), (0, 0)])
+    got, ref = both(b)
+    torch.testing.assert_close(got, ref, **tol(torch.bfloat16))
+    torch.testing.assert_close(got, dense_attention(b), **tol(torch.bfloat16))
+
+
+def test_mixed_batch_decodes_beside_prefills():
+    # Decodes go to the kernel, the prefill and sparse rows of the same call to SDPA.
+    b = make_batch(seed=9, hq=8, hkv=2, d=64, dtype=torch.float32,
+                   seqs=[(70, 20), (33, 1), (90, "sparse"), (5, 1), (16, 16)])
+    got, ref = both(b)
+    torch.testing.assert_close(got, ref, **tol(torch.float32))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=6), st.sampled_from([(2, 2), (4, 1), (8, 1), (16, 2)]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**16))
+def test_decode_property(lens, heads, dtype, seed):
+    b = make_batch(seed=seed, hq=heads[0], hkv=heads[1], d=64, dtype=dtype,
+                   seqs=[(n, 1 if n else 0) for n in lens])
+    got, ref = both(b)
+    torch.testing.assert_close(got, ref, **tol(dtype))
+
+
+def paged(nb: int, bs: int, lens: list[int], hq: int, hkv: int, d: int, seed: int):
+    """A cache of block size bs with shuffled blocks and one decode query per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    ids = torch.randperm(nb, generator=g)[:sum(need)].split(need)
+    bt = torch.zeros(len(lens), max(need), dtype=torch.int64)
+    for i, x in enumerate(ids):
+        bt[i, :len(x)] = x
+    k, v = (torch.randn(nb, bs, hkv, d, generator=g) for _ in range(2))
+    q = torch.randn(len(lens), hq, d, generator=g)
+    return q, k, v, bt, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32, 48])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_block_sizes_and_split_k(bs, splits):
+    # Tiles of 16 tokens inside larger blocks, part-tiles in smaller ones; key splits that
+    # start mid-block, and more splits than a short sequence has keys (empty splits).
+    q, k, v, bt, lens = paged(64, bs, [1, 5, 100, 333], 8, 2, 64, seed=bs + splits)
+    want = paged_attention_ref(q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False)
+    got = torch.ops.tierkv.paged_decode(q, k, v, bt, lens, 0.125, None, None, None, splits)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
+def test_threads_and_concurrent_callers():
+    # The engine calls from one thread with torch's pool; several callers must not share state.
+    q, k, v, bt, lens = paged(256, 16, [700, 1, 250, 1000], 8, 2, 64, seed=1)
+    want = paged_attention_ref(q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False)
+    got: list[torch.Tensor] = []
+
+    def call() -> None:
+        for _ in range(5):
+            got.append(paged_attention(q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 20
+    for out in got:
+        torch.testing.assert_close(out, want, **tol(torch.float32))
+
+
+def test_reference_where_the_kernel_does_not_apply(monkeypatch):
+    b = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(40, 1), (9, 1)])
+    monkeypatch.setenv("TIERKV_CPU_KERNEL", "0")
+    assert not cpu_attention.usable(b.q, b.k_cache, b.v_cache)
+    monkeypatch.delenv("TIERKV_CPU_KERNEL")
+    odd = make_batch(seed=2, hq=4, hkv=2, d=40, dtype=torch.float32, seqs=[(40, 1)])  # head dim % 16
+    mixed = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.bfloat16, seqs=[(40, 1)], cache_dtype=torch.float32)
+    for x in (odd, mixed):
+        assert not cpu_attention.usable(x.q, x.k_cache, x.v_cache)
+        got, ref = both(x)
+        torch.testing.assert_close(got, ref, **tol(x.q.dtype))
+
+
+def test_kernel_values_are_not_the_reference():
+    # Guard against a dispatch that silently runs the reference: the kernel's exp and
+    # summation order differ, so fp32 outputs match closely but not bit for bit.
+    q, k, v, bt, lens = paged(64, 16, [333, 200], 8, 2, 64, seed=4)
+    want = paged_attention_ref(q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125, cpu_kernel=False)
+    got = paged_attention(q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+    assert not torch.equal(got, want)
