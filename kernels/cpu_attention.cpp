@@ -26,7 +26,7 @@ typedef uint16_t vu16 __attribute__((vector_size(32)));
 constexpr int L = 16;          // lanes: floats per vector, tokens per tile
 constexpr int kMaxC = 16;      // head_dim / L
 constexpr int kMaxG = 16;      // query heads per KV head
-constexpr int kAhead = 4;      // blocks prefetched ahead
+constexpr int kAhead = 8;      // blocks prefetched ahead
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline vf16 splat(float x) { return vf16{} + x; }
@@ -78,7 +78,7 @@ inline vf16 vexp(vf16 x) {
 
 // x[t] holds 16 partial products of token t's score; lane t of the result is their sum.
 // Four shuffle-add stages, each halving the vectors and the lanes per token.
-inline vf16 sum_rows(vf16* x) {
+__attribute__((always_inline)) inline vf16 sum_rows(vf16* x) {
   const vi16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const vi16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
   const vi16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -101,15 +101,30 @@ struct Partial {  // online-softmax state of one (task, KV head): running max, s
   vf16 acc[kMaxG * kMaxC];
 };
 
+// All 16 lanes of v combined by op (max or +) in four shuffle steps.
+template <typename Op>
+inline float reduce(vf16 v, Op op) {
+  const vi16 r8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const vi16 r4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const vi16 r2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const vi16 r1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v = op(v, __builtin_shuffle(v, r8));
+  v = op(v, __builtin_shuffle(v, r4));
+  v = op(v, __builtin_shuffle(v, r2));
+  v = op(v, __builtin_shuffle(v, r1));
+  return v[0];
+}
+
 // n <= 16 tokens of one KV head (rows at k and v, `row` elements apart) into p. q is
 // [G, C] vectors, already scaled. CT: C known at compile time (0: take the argument), so
-// the common head dims get fully unrolled row loops.
-template <int CT, typename T>
-void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, int64_t row, int n, const float* lut,
+// the common head dims get fully unrolled row loops; FULL: n == 16 (every tile of a full
+// block), so the token loops unroll too.
+template <int CT, bool FULL, typename T>
+void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, int64_t row, int n_, const float* lut,
                  Partial& p) {
   const int C = CT ? CT : C_;
+  const int n = FULL ? L : n_;
   vf16 x[kMaxG][L], kr[kMaxC], vr[L][kMaxC];
-  alignas(64) float w[kMaxG][L];
   for (int t = 0; t < n; ++t) {
     for (int c = 0; c < C; ++c) kr[c] = load16(k + t * row + c * L, lut);
     for (int g = 0; g < G; ++g) {
@@ -118,30 +133,27 @@ void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, int64_t r
       x[g][t] = a;
     }
   }
-  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int g = 0; g < G; ++g) {
-    for (int t = n; t < L; ++t) x[g][t] = splat(0.f);
-    vf16 s = sum_rows(x[g]);
-    s = lane < n ? s : splat(-kInf);
-    float mx = p.m[g];
-    for (int t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    const vf16 e = vexp(s - mx);
-    float sum = 0.f;
-    for (int t = 0; t < n; ++t) sum += e[t];
-    const float corr = std::exp(p.m[g] - mx);  // the first tile: exp(-inf) = 0
-    p.l[g] = p.l[g] * corr + sum;
-    p.m[g] = mx;
-    std::memcpy(w[g], &e, sizeof e);
-    for (int c = 0; c < C; ++c) p.acc[g * C + c] *= corr;
-  }
   for (int t = 0; t < n; ++t)
     for (int c = 0; c < C; ++c) vr[t][c] = load16(v + t * row + c * L, lut);
-  for (int g = 0; g < G; ++g)
+  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int g = 0; g < G; ++g) {
+    if (!FULL)
+      for (int t = n; t < L; ++t) x[g][t] = splat(0.f);
+    vf16 s = sum_rows(x[g]);
+    if (!FULL) s = lane < n ? s : splat(-kInf);
+    const float mx = std::max(p.m[g], reduce(s, [](vf16 a, vf16 b) { return a > b ? a : b; }));
+    alignas(64) float w[L];
+    const vf16 e = vexp(s - mx);
+    std::memcpy(w, &e, sizeof e);
+    const float corr = std::exp(p.m[g] - mx);  // the first tile: exp(-inf) = 0
+    p.l[g] = p.l[g] * corr + reduce(e, [](vf16 a, vf16 b) { return a + b; });
+    p.m[g] = mx;
     for (int c = 0; c < C; ++c) {
-      vf16 a = p.acc[g * C + c];
-      for (int t = 0; t < n; ++t) a += w[g][t] * vr[t][c];
+      vf16 a = p.acc[g * C + c] * corr;
+      for (int t = 0; t < n; ++t) a += w[t] * vr[t][c];
       p.acc[g * C + c] = a;
     }
+  }
 }
 
 inline void prefetch(const void* p, int64_t bytes) {
@@ -174,8 +186,14 @@ void attend(const vf16* q, int G, int C, int hkv, const T* kc, const T* vc, cons
     if (start % bs < L && ahead < k1) fetch(ahead);  // once per block
     const int n = int(std::min<int64_t>({L, bs - start % bs, k1 - start}));
     const int64_t base = (blocks[start / bs] * bs + start % bs) * row;
-    for (int h = 0; h < hkv; ++h)
-      attend_tile<CT>(q + h * G * C, G, C, kc + base + h * C * L, vc + base + h * C * L, row, n, lut, p[h]);
+    for (int h = 0; h < hkv; ++h) {
+      const T* k = kc + base + h * C * L;
+      const T* v = vc + base + h * C * L;
+      if (n == L)
+        attend_tile<CT, true>(q + h * G * C, G, C, k, v, row, n, lut, p[h]);
+      else
+        attend_tile<CT, false>(q + h * G * C, G, C, k, v, row, n, lut, p[h]);
+    }
     start += n;
   }
 }
