@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
 
 namespace {
 
@@ -96,9 +97,25 @@ __attribute__((always_inline)) inline vf16 sum_rows(vf16* x) {
 }
 
 struct Partial {  // online-softmax state of one (task, KV head): running max, sum, weighted V
-  float m[kMaxG];
-  float l[kMaxG];
-  vf16 acc[kMaxG * kMaxC];
+  float* m;   // [G]
+  float* l;   // [G]
+  vf16* acc;  // [G * C]
+};
+
+// Storage of the Partials, per calling thread and reused across calls: a fresh multi-MiB
+// buffer per layer call would cost more in page faults than the attention itself.
+struct Workspace {
+  std::vector<float> ml;
+  std::vector<vf16> acc;
+  std::vector<Partial> parts;
+
+  Partial* get(size_t n, int G, int C) {
+    if (ml.size() < n * 2 * G) ml.resize(n * 2 * G);
+    if (acc.size() < n * G * C) acc.resize(n * G * C);
+    parts.resize(n);
+    for (size_t i = 0; i < n; ++i) parts[i] = {&ml[i * 2 * G], &ml[i * 2 * G + G], &acc[i * G * C]};
+    return parts.data();
+  }
 };
 
 // All 16 lanes of v combined by op (max or +) in four shuffle steps.
@@ -216,8 +233,9 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   const float* vs = vsc.defined() ? vsc.data_ptr<float>() : nullptr;
   const float* lp = lut.defined() ? lut.data_ptr<float>() : nullptr;
   const int C = D / L;
-  // Default-initialized: every task writes its own state before reading it.
-  std::unique_ptr<Partial[]> parts(new Partial[size_t(b) * splits * hkv]);
+  // Every task writes its own state before reading it.
+  thread_local Workspace ws;
+  Partial* parts = ws.get(size_t(b) * splits * hkv, G, C);
   at::parallel_for(0, int64_t(b) * splits, 1, [&](int64_t lo, int64_t hi) {
     std::unique_ptr<vf16[]> qv(new vf16[size_t(hq) * C]);
     for (int64_t task = lo; task < hi; ++task) {
