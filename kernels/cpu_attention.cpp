@@ -299,11 +299,27 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Ten
                         const at::Tensor& seen, double scale, const c10::optional<at::Tensor>& k_scale,
                         const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lut,
                         int64_t splits) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(3) == q.size(2) &&
+                  q.size(1) % kc.size(2) == 0,
+              "paged_decode: q [b, Hq, D], caches [num_blocks, block_size, Hkv, D] with Hq a multiple of Hkv");
   TORCH_CHECK(q.size(2) % L == 0 && q.size(2) <= L * kMaxC && q.size(1) / kc.size(2) <= kMaxG,
               "paged_decode: head_dim a multiple of 16 up to 256, GQA group <= 16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == q.size(0) && seen.dim() == 1 && seen.size(0) == q.size(0) &&
+                  ids.scalar_type() == at::kLong && seen.scalar_type() == at::kLong,
+              "paged_decode: ids [b, nblk] and seen [b] must be int64");
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && ids.is_contiguous() &&
+                  seen.is_contiguous() && splits >= 1,
+              "paged_decode: contiguous tensors and splits >= 1");
   at::Tensor out = at::empty_like(q);
   at::Tensor ks = k_scale.value_or(at::Tensor()), vs = v_scale.value_or(at::Tensor());
   at::Tensor lt = lut.value_or(at::Tensor());
+  const bool fp8 = lt.defined();
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && kc.scalar_type() == (fp8 ? at::kByte : q.scalar_type()),
+              "paged_decode: caches in q's dtype, or uint8 (fp8 bytes) with a lut");
+  TORCH_CHECK(!fp8 || (lt.numel() == 256 && lt.scalar_type() == at::kFloat && ks.defined() && vs.defined() &&
+                       ks.numel() == kc.size(2) && vs.numel() == kc.size(2) && ks.scalar_type() == at::kFloat &&
+                       vs.scalar_type() == at::kFloat && ks.is_contiguous() && vs.is_contiguous()),
+              "paged_decode: fp8 caches need a float lut [256] and float k/v scales [Hkv]");
   switch (q.scalar_type()) {
     case at::kFloat: by_cache<float>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;
     case at::kBFloat16: by_cache<at::BFloat16>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;

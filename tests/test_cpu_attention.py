@@ -132,3 +132,18 @@ def test_kernel_values_are_not_the_reference():
     got = paged_attention(q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125)
     torch.testing.assert_close(got, want, **tol(torch.float32))
     assert not torch.equal(got, want)
+
+
+def test_op_rejects_bad_arguments():
+    # The op checks what it can without reading the cache: shapes, dtypes, contiguity.
+    q, k, v, bt, lens = paged(16, 16, [20, 5], 8, 2, 64, seed=3)
+    op = torch.ops.tierkv.paged_decode
+    with pytest.raises(RuntimeError, match="int64"):
+        op(q, k, v, bt.int(), lens, 0.125, None, None, None, 1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        op(q.bfloat16(), k, v, bt, lens, 0.125, None, None, None, 1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, bt, lens, 0.125, None, None, None, 1)
+    with pytest.raises(RuntimeError, match="fp8"):
+        raw = torch.zeros(k.shape, dtype=torch.uint8)
+        op(q, raw, raw, bt, lens, 0.125, None, None, torch.zeros(256), 1)  # fp8 bytes without scales
