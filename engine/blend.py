@@ -1,7 +1,8 @@
 """Any-position reuse (CacheBlend): prompts as segments, and the selective-recompute prefill.
 
 A blend prefill is one step holding one sequence, its whole prompt after any cached prefix
-(a declared shared prefix found in the prefix cache or loaded exactly). The connector has scattered each reusable segment's cached KV into the
+(a declared shared prefix found in the prefix cache or loaded exactly), whatever the per-step
+token budget. The connector has scattered each reusable segment's cached KV into the
 sequence's blocks, re-rotated to its position here. Then:
 - layers 0..check_layer run in full on every token (fresh KV overwrites the cached KV);
 - at check_layer, before its KV is written, each loaded context token is ranked by the

@@ -154,8 +154,7 @@ class LLM:
         if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
         seq = self._new_seq(group, str(group), prompt, len(prompt), params, 0)
-        if spans is not None and len(prompt) <= self.config.max_num_batched_tokens \
-                and self.connector.lookup_segments([]) is not None:
+        if spans is not None and self.connector.lookup_segments([]) is not None:
             seq.segments, seq.blend, seq.prefix_len = spans, self._blend_params(params), prefix_len
         try:
             self.scheduler.add(seq)

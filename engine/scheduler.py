@@ -66,9 +66,11 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _schedule_blend(self) -> SchedulerOutput | None:
-        """A blend prefill runs alone, its whole prompt after its exact prefix in one step; the
-        running sequences wait that one step. The declared shared prefix comes from the prefix
-        cache, then the connector, exactly. None when its blocks do not fit yet."""
+        """A blend prefill runs alone, its whole prompt after its exact prefix in one step, over
+        the per-step token budget if need be (it is one selective prefill: the check layer ranks
+        every loaded token at once); the running sequences wait that one step. The declared
+        shared prefix comes from the prefix cache, then the connector, exactly. None when its
+        blocks do not fit yet."""
         seq = self.waiting[0]
         hit = self.blocks.match_prefix(seq, seq.prefix_len) if seq.prefix_len else 0
         copies = self.blocks.allocate(seq, len(seq))

@@ -1,5 +1,5 @@
-"""Any-position reuse with a declared shared prefix (a system prompt); fp32, real model
-forwards, a real connector and cpu tier."""
+"""Any-position reuse with a declared shared prefix (a system prompt), and blend prefills over
+the per-step token budget; fp32, real model forwards, a real connector and cpu tier."""
 from __future__ import annotations
 
 import pytest
@@ -119,3 +119,17 @@ def test_bad_prefix_declarations(ckpt, conn) -> None:
         llm.ingest([DOCS[0], []], SYS_A)
     assert conn.stats.saved_chunks == 0 and not llm.scheduler.has_work()
 
+
+def test_blend_longer_than_the_step_budget(ckpt, conn) -> None:
+    """A 262-token blend prompt with a 64-token step budget still blends, in one step."""
+    ref, ref_tokens, _ = first_logits(engine(ckpt[0]), SYS_A + flat([0, 2]), greedy(6))
+    llm = LLM(str(ckpt[0]), dtype="float32", kv_cache_bytes=16 << 20, enable_prefix_caching=False,
+              kv_connector=conn, max_num_batched_tokens=64)
+    got, tokens, m = first_logits(llm, with_prefix(SYS_A, [0, 2]), greedy(6, 1.0))
+    assert m.blend["loaded"] == len(DOCS[0] + DOCS[2]) and m.blend["full_layers"] == 2
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert tokens == ref_tokens
+    llm.ingest(DOCS)
+    steps = llm.stats.steps
+    _, _, m = first_logits(llm, [Segment(d) for d in DOCS] + [Segment(QUESTION, reusable=False)], greedy(1, 0.15))
+    assert llm.stats.steps == steps + 1 and m.blend["recomputed"] == 32  # ceil(0.15 * 210)
