@@ -2,7 +2,8 @@
 (hits only when the document order repeats) and of blend at 0.15, on 6 documents of 512 tokens
 and a 32-token question, documents shuffled per query; on the 8-layer bench model and on a
 32-layer variant of it. Then the deviation from full prefill (KL of the next-token
-distribution, agreement of 32 greedy tokens) for blend ratios 0..1 on 2-8 documents.
+distribution, agreement of 32 greedy tokens) for blend ratios 0..1 on 2-8 documents, also with
+the first document declared the shared prefix (the others computed after it).
 
     python -m bench.blend [--quick]
 """
@@ -32,27 +33,28 @@ def make(model: dict, conn=None, prefix: bool = False) -> LLM:
 
 
 class Recorder:
-    """Keeps the logits the engine samples from (observes, changes nothing)."""
+    """Keeps the logits of every step (observes, changes nothing)."""
 
     def __init__(self, llm: LLM) -> None:
-        self.last: torch.Tensor | None = None
+        self.seen: list[torch.Tensor] = []
         inner = llm.runner.run
 
         def run(out):
             logits = inner(out)
-            if self.last is None:
-                self.last = logits[-1].clone()
+            self.seen.append(logits[-1].clone())
             return logits
 
         llm.runner.run = run
 
 
 def generate(llm: LLM, prompt, params: SamplingParams):
+    """The output and the logits its first token was sampled from: generate() may run steps
+    before the prompt's own (the ingest of segments the store lacks); one token per step after."""
     rec = Recorder(llm) if not hasattr(llm, "_rec") else llm._rec
     llm._rec = rec
-    rec.last = None
+    rec.seen = []
     out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return out, rec.last
+    return out, rec.seen[-len(out.token_ids)]
 
 
 def ttft_rows(layers: int, queries: int, docs: list[list[int]], question: list[int], bar) -> list[dict]:
@@ -101,15 +103,20 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
         greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         ref, ref_logits = generate(full, sum(docs, []) + question, greedy)
         ref_lp = ref_logits.float().log_softmax(-1)
-        for metric in ("k", "v"):
+        # "doc 0": the same prompt with its first document declared the shared prefix (a system
+        # prompt): reused exactly, the other documents' KV computed after it instead of standalone.
+        for metric, prefix in (("k", False), ("k", True), ("v", False)):
             blend.config.blend_metric = metric
             for r in RATIOS if metric == "k" else [0.15]:
                 p = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, blend_ratio=r)
-                out, logits = generate(blend, [Segment(d) for d in docs] + [Segment(question, reusable=False)], p)
+                prompt = ([Segment(docs[0], prefix=prefix)] + [Segment(d) for d in docs[1:]]
+                          + [Segment(question, reusable=False)])
+                out, logits = generate(blend, prompt, p)
                 kl = float(torch.nn.functional.kl_div(logits.float().log_softmax(-1), ref_lp, log_target=True,
                                                       reduction="sum"))
                 agree = sum(a == b for a, b in zip(out.token_ids, ref.token_ids)) / tokens
-                rows.append({"docs": nd, "metric": metric, "ratio": r, "kl": kl, "greedy_agreement": agree})
+                rows.append({"docs": nd, "metric": metric, "prefix": "doc 0" if prefix else "none", "ratio": r,
+                             "kl": kl, "greedy_agreement": agree})
                 bar.update()
     blend.config.blend_metric = "k"
     conn.close()
@@ -126,7 +133,7 @@ def main() -> None:
     ndocs = [2, 4] if args.quick else [2, 4, 8]
     tokens = 8 if args.quick else 32
     layer_counts = [8] if args.quick else [8, 32]
-    bar = tqdm(total=queries * len(layer_counts) + len(ndocs) * (len(RATIOS) + 1), desc="blend")
+    bar = tqdm(total=queries * len(layer_counts) + len(ndocs) * (2 * len(RATIOS) + 1), desc="blend")
     rows = []
     for layers in layer_counts:
         rows += ttft_rows(layers, queries, docs, question, bar)
@@ -143,13 +150,16 @@ def main() -> None:
         goals += [goal("blend TTFT speedup vs full, 32 layers", by[(32, "blend 0.15")]["speedup_vs_full"], ">=", 4.0, "x"),
                   goal("blend share of compute-bound limit, 32 layers", by[(32, "blend 0.15")]["share_of_limit"],
                        ">=", 0.7)]
-    kl = {(d["docs"], d["ratio"]): d["kl"] for d in dev if d["metric"] == "k"}
+    kl = {(d["docs"], d["ratio"]): d["kl"] for d in dev if d["metric"] == "k" and d["prefix"] == "none"}
+    kl_prefix = {(d["docs"], d["ratio"]): d["kl"] for d in dev if d["prefix"] == "doc 0"}
     at = statistics.mean(kl[(n, 0.15)] for n in ndocs) / max(1e-12, statistics.mean(kl[(n, 0.0)] for n in ndocs))
     goals.append(goal("KL at 0.15 / KL at 0.0 (mean over doc counts)", at, "<=", 0.5))
 
     def plot(ax) -> None:
         for n in ndocs:
-            ax.plot(RATIOS, [kl[(n, r)] for r in RATIOS], marker="o", label=f"{n} docs")
+            line, = ax.plot(RATIOS, [kl[(n, r)] for r in RATIOS], marker="o", label=f"{n} docs")
+            ax.plot(RATIOS, [kl_prefix[(n, r)] for r in RATIOS], marker="x", linestyle="--", color=line.get_color(),
+                    label=f"{n} docs, doc 0 declared prefix")
         ax.set_xlabel("blend ratio")
         ax.set_ylabel("KL(blend || full prefill), next token")
         ax.set_yscale("symlog", linthresh=1e-4)

@@ -21,7 +21,7 @@ import torch
 from connector.config import ConnectorConfig
 from connector.loop import LoopThread
 from connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
-from connector.requests import DTYPE_NAMES, model_fingerprint, request_state
+from connector.requests import DTYPE_NAMES, model_fingerprint, record_lookup, request_state
 from connector.transfer import Layout, LoadJob, book, run_load, run_saves
 from engine.kv_connector import KVConnector
 from kernels import FP8, RotaryEmbedding, gather_kv
@@ -98,9 +98,11 @@ class TierKVConnector(KVConnector):
                                                                  self.config.save_partial_chunks)
         return st
 
-    def lookup_segments(self, segments: list[list[int]]) -> list[bool]:
-        """Whether the store holds each segment's standalone KV (one batched lookup)."""
-        keys = [self.hasher.segment_key(np.asarray(t, dtype=np.int32)) for t in segments]
+    def lookup_segments(self, segments: list[list[int]], prefix: list[int] | None = None) -> list[bool]:
+        """Whether the store holds each segment's KV, computed standalone or, given prefix, right
+        after that declared shared prefix (one batched lookup)."""
+        after = self.hasher.prefix_key(np.asarray(prefix, dtype=np.int32)) if prefix else None
+        keys = [self.hasher.segment_key(np.asarray(t, dtype=np.int32), after) for t in segments]
         try:
             return self.loop.run(self.store.contains(keys, self.ns), self.config.lookup_timeout_s)
         except Exception as e:
@@ -108,45 +110,41 @@ class TierKVConnector(KVConnector):
             return [False] * len(keys)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        st = self._state(request)
-        if not st.chunks or getattr(request, "ingest", False) or (self.caches[0].dtype == FP8 and not self.steps):
-            return 0  # an fp8 engine cache takes its scales from its first forward: load after it
+        st, blend = self._state(request), getattr(request, "blend", None) is not None
+        if not st.chunks or not (st.prefix_chunks or blend) or (self.caches[0].dtype == FP8 and not self.steps):
+            return 0  # nothing that could load; an fp8 cache takes its scales from its first forward
         self.stats.lookups += 1
         try:
             where = self.loop.run(self.store.locate([c.key for c in st.chunks], self.ns),
                                   self.config.lookup_timeout_s)
         except Exception as e:  # a slow or failing store is a miss
             log.warning("connector lookup failed (%r): miss", e)
-            where = []
-        if getattr(request, "blend", None) is not None:  # segments hit anywhere, not as a prefix
-            st.hits = [w is not None for w in where] if where else [False] * len(st.chunks)
-            st.tiers = [self.store.tiers[w].name if w is not None else "" for w in where] or [""] * len(st.chunks)
-            new = sum(c.end - c.start for c, hit in zip(st.chunks, st.hits) if hit)
-            self.stats.lookup_hit_tokens += new
-            return new
-        n = next((i for i, w in enumerate(where) if w is None), len(where))
-        st.present, st.tiers = n, [self.store.tiers[w].name for w in where[:n]]
-        hit = st.chunks[n - 1].end if n else 0
-        new = max(0, hit - num_computed_tokens)
+            where = [None] * len(st.chunks)
+        new = record_lookup(st, [self.store.tiers[w].name if w is not None else None for w in where],
+                            num_computed_tokens, blend)
         self.stats.lookup_hit_tokens += new
         return new
+
+    def get_num_prefix_tokens(self, request: Any) -> int:
+        st = self.states.get(request.request_id)
+        return 0 if st is None else st.exact[1] - st.exact[0]
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         st = self._state(request)
         blocks = torch.tensor(block_ids, dtype=torch.int32)
-        if getattr(request, "blend", None) is not None:
-            for c, hit, tier in zip(st.chunks, st.hits, st.tiers):
-                if hit:
-                    self.pending_loads.append(LoadPlan(request.request_id, blocks, c.start, c.end, [c], [tier],
-                                                       st.tokens, rotate=True))
-            return
-        start = request.num_computed_tokens
-        end = start + num_external_tokens
-        idx = [i for i, c in enumerate(st.chunks[:st.present]) if c.end > start and c.start < end]
-        self.pending_loads.append(LoadPlan(request.request_id, blocks, start, end, [st.chunks[i] for i in idx],
-                                           [st.tiers[i] for i in idx], st.tokens))
+        blend = getattr(request, "blend", None) is not None
+        start, end = st.exact if blend else (request.num_computed_tokens,
+                                             request.num_computed_tokens + num_external_tokens)
+        if end > start:  # a prefix run: loaded exactly, where it was computed
+            idx = [i for i, c in enumerate(st.chunks[:st.present]) if c.end > start and c.start < end]
+            self.pending_loads.append(LoadPlan(request.request_id, blocks, start, end, [st.chunks[i] for i in idx],
+                                               [st.tiers[i] for i in idx], st.tokens))
+        for c, hit, tier in zip(st.chunks, st.hits if blend else [], st.tiers):
+            if hit:  # a segment: re-rotated from where it was computed to where it is now
+                self.pending_loads.append(LoadPlan(request.request_id, blocks, c.start, c.end, [c], [tier],
+                                                   st.tokens, rotate=True))
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
         meta = StepMeta(self.pending_loads, [])
@@ -233,12 +231,14 @@ class TierKVConnector(KVConnector):
         return set(), set()
 
     def get_loaded_ranges(self, request_id: str) -> list[tuple[int, int]]:
-        """Token ranges of request_id whose cached KV this step's load put in its blocks, for
-        every layer; valid after wait_for_layer_load(0). Only verified segments are named."""
+        """Token ranges of request_id whose segments' cached KV this step's load put in its blocks,
+        for every layer; valid after wait_for_layer_load(0). Only verified segments are named (a
+        declared prefix loaded exactly is not: the scheduler counted it as computed)."""
         job = self.job
         if job is None:
             return []
-        return [(p.start, p.end) for p in job.plans if p.request_id == request_id and p.failed_from is None]
+        return [(p.start, p.end) for p in job.plans
+                if p.request_id == request_id and p.rotate and p.failed_from is None]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks from the first token each failed load did not deliver; also books the metrics."""

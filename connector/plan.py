@@ -22,7 +22,9 @@ class RequestState:
     chunks: list[Chunk]
     tokens: np.ndarray  # the prompt, int32
     present: int = 0  # leading chunks the store held at the last lookup (prefix chunks)
-    hits: list[bool] = field(default_factory=list)  # each segment found (blend requests)
+    prefix_chunks: int = 0  # leading chunks that may load as a prefix run (a segment prompt: its declared prefix)
+    exact: tuple[int, int] = (0, 0)  # blend requests: declared-prefix tokens [a, b) loaded as a prefix
+    hits: list[bool] = field(default_factory=list)  # each chunk found as a segment (blend requests)
     tiers: list[str] = field(default_factory=list)  # tier of each present chunk
     saved_upto: int = 0  # chunks below this index were saved or skipped
     loaded: dict[str, int] = field(default_factory=dict)  # tokens loaded per tier

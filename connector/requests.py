@@ -28,16 +28,40 @@ def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> s
 
 
 def request_state(request: Any, hasher: ChunkHasher, partial: bool) -> RequestState:
-    """The chunks of a request's prompt: chained prefix chunks for a plain prompt, one
-    position-free chunk per reusable segment for a blend prompt, the whole prompt for ingest."""
+    """The chunks of a request's prompt: chained prefix chunks for a plain prompt; for a blend
+    prompt, those of its declared shared prefix P (if any, the last one partial) then one
+    position-free chunk per reusable segment, keyed and parented under P's key; the same for
+    an ingest request (P, then the one segment to store)."""
     tokens = np.asarray(request.token_ids[:request.num_prompt_tokens], dtype=np.int32)
-    if getattr(request, "blend", None) is not None:
-        spans = [(a, b) for a, b, reusable in request.segments if reusable]
-        chunks = [Chunk(i, hasher.segment_key(tokens[a:b]), bytes(16), a, b) for i, (a, b) in enumerate(spans)]
-    elif getattr(request, "ingest", False):
-        chunks = [Chunk(0, hasher.segment_key(tokens), bytes(16), 0, len(tokens))]
-    else:
-        keys = hasher.prefix_keys(tokens, partial=partial)
-        chunks = [Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
-                  for i, (k, (a, b)) in enumerate(zip(keys, hasher.chunks(tokens, partial=partial)))]
-    return RequestState(chunks, tokens)
+    blend, ingest = getattr(request, "blend", None) is not None, getattr(request, "ingest", False)
+    if not (blend or ingest):
+        chunks = prefix_chunks(hasher, tokens, partial)
+        return RequestState(chunks, tokens, prefix_chunks=len(chunks))
+    p = getattr(request, "prefix_len", 0)
+    pre = prefix_chunks(hasher, tokens[:p], True) if p else []
+    after = pre[-1].key if pre else None
+    spans = [(a, b) for a, b, reusable in request.segments if reusable] if blend else [(p, len(tokens))]
+    segs = [Chunk(len(pre) + i, hasher.segment_key(tokens[a:b], after), after or bytes(16), a, b)
+            for i, (a, b) in enumerate(spans)]
+    return RequestState(pre + segs, tokens, prefix_chunks=len(pre))
+
+
+def prefix_chunks(hasher: ChunkHasher, tokens: np.ndarray, partial: bool) -> list[Chunk]:
+    keys = hasher.prefix_keys(tokens, partial=partial)
+    return [Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
+            for i, (k, (a, b)) in enumerate(zip(keys, hasher.chunks(tokens, partial=partial)))]
+
+
+def record_lookup(st: RequestState, tiers: list[str | None], num_computed: int, blend: bool) -> int:
+    """Note in st where the store holds each chunk (tiers: a name, or None for absent); returns
+    the tokens the request can load after num_computed: the leading run of prefix chunks (all
+    but its last token), and for a blend request every segment present, wherever it lies."""
+    st.tiers, k = [t or "" for t in tiers], st.prefix_chunks
+    st.present = n = next((i for i, t in enumerate(tiers[:k]) if t is None), k)
+    end = min(st.chunks[n - 1].end, len(st.tokens) - 1) if n else 0
+    new = max(0, end - num_computed)
+    if blend:  # the declared prefix loads exactly, right after the local hit
+        st.exact = (num_computed, num_computed + new)
+        st.hits = [False] * k + [t is not None for t in tiers[k:]]
+        new += sum(c.end - c.start for c, hit in zip(st.chunks, st.hits) if hit)
+    return new

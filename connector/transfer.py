@@ -163,7 +163,7 @@ async def run_saves(saves: list[SavePlan], store: Tier, ns: str, fingerprint: by
                 stats.save_skipped += 1
                 continue
             seg = KVSegment.from_tensor(plan.staging, key=c.key, parent=c.parent, tokens=plan.tokens,
-                                        fingerprint=fingerprint, codec=codec,
+                                        fingerprint=fingerprint, base_position=c.start, codec=codec,
                                         scales=None if plan.scales is None else plan.scales.numpy())
             if await store.put(c.key, seg, ns):
                 stats.saved_chunks += 1

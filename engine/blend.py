@@ -1,7 +1,9 @@
 """Any-position reuse (CacheBlend): prompts as segments, and the selective-recompute prefill.
 
-A blend prefill is one step holding one sequence. The connector has scattered each reusable
-segment's cached KV into the sequence's blocks, re-rotated to its position here. Then:
+A blend prefill is one step holding one sequence, its whole prompt after any cached prefix
+(a declared shared prefix found in the prefix cache or loaded exactly), whatever the per-step
+token budget. The connector has scattered each reusable segment's cached KV into the
+sequence's blocks, re-rotated to its position here. Then:
 - layers 0..check_layer run in full on every token (fresh KV overwrites the cached KV);
 - at check_layer, before its KV is written, each loaded context token is ranked by the
   squared L2 distance between its fresh and cached K (or V); the top `ratio` of them are
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -23,11 +26,34 @@ from kernels import paged_attention, write_kv
 
 @dataclass(slots=True)
 class Segment:
-    """A piece of a prompt. A reusable one (a RAG document, a system prompt, a tool result)
-    has its KV computed standalone, from position 0, stored once under its segment key and
-    reused at any position; a non-reusable one (the question) is always computed."""
+    """A piece of a prompt. A reusable one (a RAG document, a tool result) has its KV computed
+    once, stored under its segment key and reused at any position; a non-reusable one (the
+    question) is always computed. prefix=True declares the first segment the shared prefix (a
+    system prompt): it is reused exactly, as a prefix, and the reusable segments after it have
+    their KV computed right after it (attending to it) and keyed under it, not standalone."""
     content: str | list[int]
     reusable: bool = True
+    prefix: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix and not self.reusable:
+            raise ValueError("a shared prefix segment is reused as a prefix: it cannot be reusable=False")
+
+
+def join_segments(prompt: list[Segment], encode: Callable[[str], list[int]]
+                  ) -> tuple[list[int], list[tuple[int, int, bool]], int]:
+    """A segment prompt as its tokens, the (start, end, reusable) span of each segment (the
+    shared prefix's is not reusable: it is reused as a prefix) and the shared prefix's length."""
+    tokens, spans = [], []
+    for i, s in enumerate(prompt):
+        if s.prefix and i:
+            raise ValueError(f"only the first segment can be the shared prefix; segment {i} has prefix=True")
+        ids = encode(s.content) if isinstance(s.content, str) else list(s.content)
+        if not ids:
+            raise ValueError("a segment must hold at least one token")
+        spans.append((len(tokens), len(tokens) + len(ids), s.reusable and not s.prefix))
+        tokens += ids
+    return tokens, spans, spans[0][1] if prompt[0].prefix else 0
 
 
 @dataclass(slots=True)
@@ -76,12 +102,13 @@ def rows_of(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
     return mask
 
 
-def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]],
+def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]], start: int,
                   report: BlendReport) -> torch.Tensor:
-    """The blend prefill of the step's only sequence; returns the hidden states of the rows
-    that reach the last layer and points ctx.logits_indices at the last prompt token."""
+    """The blend prefill of the step's only sequence, whose rows are its tokens from start on;
+    returns the hidden states of the rows that reach the last layer and points
+    ctx.logits_indices at the last prompt token."""
     model, conn, n = runner.model, runner.connector, ctx.num_tokens
-    cand = rows_of(loaded, n)  # rows whose cached KV is in the blocks
+    cand = rows_of([(a - start, b - start) for a, b in loaded], n)  # rows whose cached KV is in the blocks
     report.loaded, report.computed = int(cand.sum()), int((~cand).sum())
     if not cand.any():  # nothing loaded: an ordinary prefill
         return model(ctx.input_ids, ctx.positions, runner.attend)
@@ -96,7 +123,7 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
         cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
         return paged_attention(q, cache[0], cache[1], ctx.all.block_tables, ctx.all.seq_lens, cu,
                                ctx.positions[keep].to(torch.int32), runner.scale, ks, vs,
-                               max_seqlen_q=q.shape[0], max_seqlen_k=n)
+                               max_seqlen_q=q.shape[0], max_seqlen_k=ctx.all.max_seqlen_k)
 
     def check_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         nonlocal keep

@@ -54,12 +54,14 @@ class BlockManager:
         if self.ref[b] == 0:
             self.free.append(b)
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Give a new sequence the cached blocks of its longest block-aligned prefix and lock them.
-        The last prompt token is never matched: its logits must be computed. Returns tokens hit."""
+    def match_prefix(self, seq: Sequence, limit: int | None = None) -> int:
+        """Give a new sequence the cached blocks of its longest block-aligned prefix (of at most
+        limit tokens) and lock them. The last prompt token is never matched: its logits must be
+        computed. Returns tokens hit."""
         if self.tree is None or seq.block_table:
             return 0
-        blocks, node = self.tree.match(seq.token_ids[:len(seq) - 1])
+        n = len(seq) - 1 if limit is None else min(len(seq) - 1, limit)
+        blocks, node = self.tree.match(seq.token_ids[:n])
         self.tree.lock(node)
         seq.lock = node
         for b in blocks:

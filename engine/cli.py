@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--disk-cache", default=None, help="local disk tier directory")
     c.add_argument("--chunk-size", type=int, default=256)
     b = g.add_argument_group("any-position reuse (CacheBlend)")
+    b.add_argument("--system", help="the shared system prefix file: reused exactly; the documents' KV is "
+                                    "computed after it and stored under it")
     b.add_argument("--doc", action="append", default=[], help="a document file (text, or token ids with --ids)")
     b.add_argument("--question", help="the question file; with --doc the prompt is docs + question")
-    b.add_argument("--ids", action="store_true", help="--doc/--question files hold comma-separated token ids")
+    b.add_argument("--ids", action="store_true", help="--system/--doc/--question files hold comma-separated token ids")
     b.add_argument("--blend-ratio", type=float, default=None, help="share of document tokens recomputed")
     return p
 
@@ -71,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("error: --prompt-ids takes comma-separated integers", file=sys.stderr)
         return 2
+    if args.system and not args.doc:
+        print("error: --system needs --doc", file=sys.stderr)
+        return 2
     if args.doc:
         if not args.question:
             print("error: --doc needs --question", file=sys.stderr)
             return 2
-        prompts.append([Segment(read_segment(d, args.ids)) for d in args.doc]
+        system = [Segment(read_segment(args.system, args.ids), prefix=True)] if args.system else []
+        prompts.append(system + [Segment(read_segment(d, args.ids)) for d in args.doc]
                        + [Segment(read_segment(args.question, args.ids), reusable=False)])
     if not prompts:
         print("error: give --prompt, --prompt-ids or --doc with --question", file=sys.stderr)

@@ -83,13 +83,20 @@ class KVConnector(ABC):
         """Blocks whose load failed this step; the engine recomputes from the first of them."""
 
     # any-position reuse (CacheBlend); the defaults mean "not supported"
-    def lookup_segments(self, segments: list[list[int]]) -> list[bool] | None:
-        """Whether the store holds each segment's standalone KV; None: no segment support."""
+    def lookup_segments(self, segments: list[list[int]], prefix: list[int] | None = None) -> list[bool] | None:
+        """Whether the store holds each segment's KV, computed standalone or right after the
+        declared shared prefix; None: no segment support."""
         return None
 
+    def get_num_prefix_tokens(self, request: Any) -> int:
+        """Of the tokens get_num_new_matched_tokens just counted for a blend request, how many
+        are its declared shared prefix, loaded exactly right after its local hit (the engine
+        counts them as computed; the rest are segments to blend)."""
+        return 0
+
     def get_loaded_ranges(self, request_id: str) -> list[tuple[int, int]]:
-        """Token ranges of a blend request loaded into its blocks this step, valid after
-        wait_for_layer_load(0); only verified KV is named."""
+        """Token ranges of a blend request's segments loaded into its blocks this step, valid
+        after wait_for_layer_load(0); only verified KV is named."""
         return []
 
     def flush(self) -> None:

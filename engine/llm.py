@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.blend import BlendParams, Segment
+from engine.blend import BlendParams, Segment, join_segments
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_connector import KVConnector, NoOpConnector
@@ -113,35 +113,29 @@ class LLM:
             raise ValueError("text prompt given but the model has no tokenizer.json; pass token ids")
         return self.tokenizer.encode(text).ids
 
-    def _segments(self, prompt: list[Segment]) -> tuple[list[int], list[tuple[int, int, bool]]]:
-        """A segment prompt as its tokens and the (start, end, reusable) span of each segment."""
-        tokens, spans = [], []
-        for s in prompt:
-            ids = self._encode(s.content) if isinstance(s.content, str) else list(s.content)
-            if not ids:
-                raise ValueError("a segment must hold at least one token")
-            spans.append((len(tokens), len(tokens) + len(ids), s.reusable))
-            tokens += ids
-        return tokens, spans
-
     def _blend_params(self, params: SamplingParams) -> BlendParams:
         c = self.config
         ratio = c.blend_ratio if params.blend_ratio is None else params.blend_ratio
         layer = c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
         return BlendParams(ratio, layer, c.blend_metric)
 
-    def ingest(self, segments: list[list[int]]) -> int:
-        """Store the standalone KV (positions from 0) of each segment the connector lacks, once
-        each; returns how many were computed. Needs a connector with segment support."""
+    def ingest(self, segments: list[list[int]], prefix: list[int] | None = None) -> int:
+        """Store the KV of each segment the connector lacks, once each, computed standalone
+        (positions from 0) or, given the shared prefix, right after it; returns how many were
+        computed. Needs a connector with segment support."""
+        prefix = list(prefix or [])
         unique = list(dict.fromkeys(tuple(s) for s in segments))
-        present = self.connector.lookup_segments([list(s) for s in unique])
+        if any(not s for s in unique):
+            raise ValueError("a segment must hold at least one token")
+        present = self.connector.lookup_segments([list(s) for s in unique], prefix or None)
         if present is None:
             raise ValueError("the engine's connector does not store segments")
         todo = [list(s) for s, p in zip(unique, present) if not p]
         one, base = SamplingParams(max_tokens=1, ignore_eos=True), self._next_id
         groups = [base + i for i in range(len(todo))]
         for g, toks in zip(groups, todo):
-            self.add_request(g, toks, one).ingest = True
+            seq = self.add_request(g, prefix + toks, one)
+            seq.ingest, seq.prefix_len = True, len(prefix)
         while self.scheduler.has_work():
             self.step()
         self._drain_saves()
@@ -151,18 +145,17 @@ class LLM:
         return len(todo)
 
     def add_request(self, group: int, prompt: str | list[int] | list[Segment], params: SamplingParams) -> Sequence:
-        spans = None
+        spans, prefix_len = None, 0
         if isinstance(prompt, str):
             prompt = self._encode(prompt)
         elif prompt and all(isinstance(s, Segment) for s in prompt):
-            prompt, spans = self._segments(prompt)
+            prompt, spans, prefix_len = join_segments(prompt, self._encode)
         vocab = self.model_config.vocab_size
         if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
         seq = self._new_seq(group, str(group), prompt, len(prompt), params, 0)
-        if spans is not None and len(prompt) <= self.config.max_num_batched_tokens \
-                and self.connector.lookup_segments([]) is not None:
-            seq.segments, seq.blend = spans, self._blend_params(params)
+        if spans is not None and self.connector.lookup_segments([]) is not None:
+            seq.segments, seq.blend, seq.prefix_len = spans, self._blend_params(params), prefix_len
         try:
             self.scheduler.add(seq)
         except ValueError:
@@ -222,12 +215,14 @@ class LLM:
             prompts = [prompts]
         segmented = [p for p in prompts if isinstance(p, list) and p and isinstance(p[0], Segment)]
         if segmented and self.connector.lookup_segments([]) is not None:
-            # Each reusable segment's standalone KV must be stored before a blend can load it.
-            docs = []
+            # Each reusable segment's KV must be stored before a blend can load it: standalone,
+            # or after the prompt's shared prefix.
+            docs: dict[tuple[int, ...], list[list[int]]] = {}
             for p in segmented:
-                toks, spans = self._segments(p)
-                docs += [toks[a:b] for a, b, reusable in spans if reusable]
-            self.ingest(docs)
+                toks, spans, n = join_segments(p, self._encode)
+                docs.setdefault(tuple(toks[:n]), []).extend(toks[a:b] for a, b, reusable in spans if reusable)
+            for prefix, segs in docs.items():
+                self.ingest(segs, list(prefix))
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")

@@ -204,9 +204,10 @@ class ModelRunner:
         if out.blend is not None:
             self.connector.wait_for_layer_load(0)  # fetched and verified: the loaded ranges are known
             report = BlendReport()
-            h = blend_forward(self, ctx, out.blend.blend, self.connector.get_loaded_ranges(out.blend.request_id),
-                              report)
-            out.blend.metrics.blend = report.as_dict()
+            seq = out.blend
+            h = blend_forward(self, ctx, seq.blend, self.connector.get_loaded_ranges(seq.request_id),
+                              seq.num_computed_tokens, report)
+            seq.metrics.blend = report.as_dict()
         else:
             h = self.model(ctx.input_ids, ctx.positions, self.attend)
         self.calibrated = True

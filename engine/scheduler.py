@@ -66,18 +66,25 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _schedule_blend(self) -> SchedulerOutput | None:
-        """A blend prefill runs alone, its whole prompt in one step; the running sequences wait
-        that one step. None when its blocks do not fit yet."""
+        """A blend prefill runs alone, its whole prompt after its exact prefix in one step, over
+        the per-step token budget if need be (it is one selective prefill: the check layer ranks
+        every loaded token at once); the running sequences wait that one step. The declared
+        shared prefix comes from the prefix cache, then the connector, exactly. None when its
+        blocks do not fit yet."""
         seq = self.waiting[0]
+        hit = self.blocks.match_prefix(seq, seq.prefix_len) if seq.prefix_len else 0
         copies = self.blocks.allocate(seq, len(seq))
         if copies is None:
+            self.blocks.free_seq(seq)
             return None
         self.waiting.popleft()
-        ext = max(0, int(self.connector.get_num_new_matched_tokens(seq, 0)))
+        ext = max(0, int(self.connector.get_num_new_matched_tokens(seq, hit)))
+        exact = self.connector.get_num_prefix_tokens(seq) if ext else 0
         self.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
+        seq.num_computed_tokens = hit + exact
         if not seq.admitted:
-            seq.admitted, seq.metrics.num_external_tokens = True, ext
-        seq.exact_kv = seq.exact_kv and ext == 0
+            seq.admitted, seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = True, hit, ext
+        seq.exact_kv = seq.exact_kv and ext == exact  # segments loaded: the KV will be blended
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.seq_id)
         out = SchedulerOutput([seq], [len(seq) - seq.num_computed_tokens], copies, blend=seq)
@@ -148,7 +155,8 @@ class Scheduler:
             seq.metrics.num_computed_tokens += n
             bad = next((j for j, b in enumerate(seq.block_table) if b in failed_blocks), None)
             if bad is not None and seq is out.blend:  # blended KV is all or nothing: prefill plainly
-                seq.num_computed_tokens, seq.blend, seq.metrics.num_external_tokens = 0, None, 0
+                start = min(bad * bs, seq.num_computed_tokens - n)  # the step's start, or a failed prefix load
+                seq.num_computed_tokens, seq.blend, seq.metrics.num_external_tokens = start, None, 0
                 continue
             if bad is not None and bad * bs < seq.num_computed_tokens:
                 m = seq.metrics

@@ -50,8 +50,10 @@ class Sequence:
     admitted: bool = False
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
     # Any-position reuse: (start, end, reusable) of each prompt segment; blend set while the
-    # prompt awaits its blend prefill; ingest = a standalone segment whose KV is to be stored.
+    # prompt awaits its blend prefill; ingest = a segment whose KV is to be stored (computed
+    # after the first prefix_len tokens, the declared shared prefix, when there are any).
     segments: list[tuple[int, int, bool]] | None = None
+    prefix_len: int = 0
     blend: BlendParams | None = None
     ingest: bool = False
     exact_kv: bool = True  # False once blended KV is in its blocks: never indexed, never stored

@@ -2,7 +2,9 @@
 
 prefix keys (chained):   k_0 = H(salt || tokens_0),  k_i = H(k_{i-1} || tokens_i)
 segment keys (position-free):  H(salt || b"segment" || tokens)
-where salt = Salt.digest() (16 bytes) and tokens are little-endian int32 bytes.
+segment keys after a declared shared prefix P:  H(salt || b"after-prefix" || prefix_key(P) || tokens)
+where salt = Salt.digest() (16 bytes), tokens are little-endian int32 bytes and prefix_key(P)
+is the chained key of P's last chunk (partial when P is not chunk-aligned).
 """
 from __future__ import annotations
 
@@ -98,10 +100,24 @@ class ChunkHasher:
             keys.append(prev)
         return keys
 
-    def segment_key(self, tokens) -> bytes:
-        """Position-free key of a standalone segment (a RAG document, a tool result)."""
+    def prefix_key(self, tokens) -> bytes:
+        """The chained key of the whole of tokens (its last chunk partial when not aligned): it
+        names exactly these tokens at positions 0.. and nothing else."""
+        if len(tokens) == 0:
+            raise ValueError("a prefix key needs at least one token")
+        return self.prefix_keys(tokens, partial=True)[-1]
+
+    def segment_key(self, tokens, after: bytes | None = None) -> bytes:
+        """Position-free key of a segment (a RAG document, a tool result): computed standalone,
+        or, with after = prefix_key(P), computed right after the shared prefix P."""
         h = xxhash.xxh3_128(self._seed)
-        h.update(b"segment")
+        if after is None:
+            h.update(b"segment")
+        else:  # a tag that differs from the first byte on: no standalone input equals this one
+            if len(after) != KEY_NBYTES:
+                raise ValueError(f"a prefix key has {KEY_NBYTES} bytes, got {len(after)}")
+            h.update(b"after-prefix")
+            h.update(after)
         h.update(memoryview(as_tokens(tokens)).cast("B"))
         return h.digest()
 
