@@ -27,7 +27,7 @@ typedef uint16_t vu16 __attribute__((vector_size(32)));
 constexpr int L = 16;          // lanes: floats per vector, tokens per tile
 constexpr int kMaxC = 16;      // head_dim / L
 constexpr int kMaxG = 16;      // query heads per KV head
-constexpr int kAhead = 8;      // blocks prefetched ahead
+constexpr int kAhead = 4;      // blocks prefetched ahead
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline vf16 splat(float x) { return vf16{} + x; }
@@ -133,16 +133,21 @@ inline float reduce(vf16 v, Op op) {
 }
 
 // n <= 16 tokens of one KV head (rows at k and v, `row` elements apart) into p. q is
-// [G, C] vectors, already scaled. CT: C known at compile time (0: take the argument), so
+// [G, C] vectors, already scaled. k_next/v_next: the same rows kAhead blocks later, prefetched
+// one row per token (a burst of a whole block's prefetches at once was dropped, measured). CT: C known at compile time (0: take the argument), so
 // the common head dims get fully unrolled row loops; FULL: n == 16 (every tile of a full
 // block), so the token loops unroll too.
 template <int CT, bool FULL, typename T>
-void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, int64_t row, int n_, const float* lut,
-                 Partial& p) {
+void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, const T* k_next, const T* v_next,
+                 int64_t row, int n_, const float* lut, Partial& p) {
   const int C = CT ? CT : C_;
   const int n = FULL ? L : n_;
   vf16 x[kMaxG][L], kr[kMaxC], vr[L][kMaxC];
   for (int t = 0; t < n; ++t) {
+    for (int o = 0; o < C * L * int(sizeof(T)); o += 64) {  // a row of a later block, into L2
+      __builtin_prefetch(reinterpret_cast<const char*>(k_next + t * row) + o, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_next + t * row) + o, 0, 2);
+    }
     for (int c = 0; c < C; ++c) kr[c] = load16(k + t * row + c * L, lut);
     for (int g = 0; g < G; ++g) {
       vf16 a = q[g * C] * kr[0];
@@ -173,15 +178,9 @@ void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, int64_t r
   }
 }
 
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // into L2: more misses in flight
-}
-
 // Keys [k0, k1) of one sequence, every KV head, into p[0..hkv); q is [hkv * G, C] vectors.
 // Blocks sit at random places in the cache, so the hardware prefetcher cannot guess the
-// next one: each block's K and V (contiguous: a token's heads are adjacent) are prefetched
-// kAhead blocks early.
+// next one: each tile prefetches its rows' counterparts kAhead blocks later.
 template <int CT, typename T>
 void attend(const vf16* q, int G, int C, int hkv, const T* kc, const T* vc, const int64_t* blocks,
             int64_t k0, int64_t k1, int bs, const float* lut, Partial* p) {
@@ -191,25 +190,17 @@ void attend(const vf16* q, int G, int C, int hkv, const T* kc, const T* vc, cons
     std::fill(p[h].acc, p[h].acc + G * C, splat(0.f));
   }
   const int64_t row = int64_t(hkv) * C * L;  // elements between tokens of a block
-  auto fetch = [&](int64_t first) {  // the block holding key `first`, from that key on
-    const int64_t bytes = std::min<int64_t>(bs - first % bs, k1 - first) * row * int64_t(sizeof(T));
-    const int64_t at = (blocks[first / bs] * bs + first % bs) * row;
-    prefetch(kc + at, bytes);
-    prefetch(vc + at, bytes);
-  };
-  for (int64_t j = 0; j < kAhead && k0 + j * bs < k1; ++j) fetch(j ? (k0 / bs + j) * bs : k0);
   for (int64_t start = k0; start < k1;) {
-    const int64_t ahead = (start / bs + kAhead) * bs;
-    if (start % bs < L && ahead < k1) fetch(ahead);  // once per block
+    const int64_t ahead = (start / bs + kAhead) * bs;  // a valid block id while < k1
+    const int64_t next = ahead < k1 ? (blocks[ahead / bs] * bs + start % bs) * row : -1;
     const int n = int(std::min<int64_t>({L, bs - start % bs, k1 - start}));
     const int64_t base = (blocks[start / bs] * bs + start % bs) * row;
     for (int h = 0; h < hkv; ++h) {
-      const T* k = kc + base + h * C * L;
-      const T* v = vc + base + h * C * L;
+      const int64_t at = base + h * C * L, nat = next < 0 ? at : next + h * C * L;  // no later block: the tile
       if (n == L)
-        attend_tile<CT, true>(q + h * G * C, G, C, k, v, row, n, lut, p[h]);
+        attend_tile<CT, true>(q + h * G * C, G, C, kc + at, vc + at, kc + nat, vc + nat, row, n, lut, p[h]);
       else
-        attend_tile<CT, false>(q + h * G * C, G, C, k, v, row, n, lut, p[h]);
+        attend_tile<CT, false>(q + h * G * C, G, C, kc + at, vc + at, kc + nat, vc + nat, row, n, lut, p[h]);
     }
     start += n;
   }
