@@ -17,7 +17,7 @@ from engine.model import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
 import torch.nn.functional as F
 
-from kernels import fp8_scales, paged_attention, use_triton, write_kv
+from kernels import cpu_attention, fp8_scales, paged_attention, use_triton, write_kv
 
 FP8 = torch.float8_e4m3fn
 FP8_HEADROOM = 2.0
@@ -93,6 +93,10 @@ class ModelRunner:
         # fp8: per-layer, per-head scales [L, 2, Hkv], calibrated on the first forward.
         self.kv_scales = torch.ones(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, device=device)
         self.calibrated = self.kv_dtype != FP8
+        # The C++ CPU decode kernel walks each sequence's own keys: decodes of any lengths go in
+        # one call. The torch reference pads a decode batch to its longest sequence instead.
+        q = torch.empty(1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.one_decode_group = cpu_attention.usable(q, self.kv_caches[0][0], self.kv_caches[0][1])
         self.scale = cfg.head_dim ** -0.5
         self.ctx: Context | None = None
         # kv_scales is filled in place on the first forward, so the connector sees the final scales.
@@ -125,15 +129,15 @@ class ModelRunner:
         if use_triton(tables.to(dev)):  # the Triton kernel takes the whole step at once
             fresh, paged = [], [full]
         else:
-            # Torch path. Whole prompts with nothing cached attend only to themselves: causal SDPA,
-            # no gather. The reference pads a decode batch to its longest sequence, so decodes go in
-            # groups of similar length; chunks over a cached prefix go in one more call.
+            # CPU path. Whole prompts with nothing cached attend only to themselves: causal SDPA,
+            # no gather. The torch reference pads a decode batch to its longest sequence, so there
+            # decodes go in groups of similar length; chunks over a cached prefix go in one more call.
             is_fresh = (start_t == 0) & (count_t > 1)
             fresh = [(int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()]
             dec = sorted((i for i in range(b) if counts[i] == 1), key=lambda i: -starts[i])
             groups, cur = [], []
             for i in dec:
-                if cur and (starts[i] + 1) * DECODE_GROUP_RATIO < starts[cur[0]] + 1:
+                if cur and not self.one_decode_group and (starts[i] + 1) * DECODE_GROUP_RATIO < starts[cur[0]] + 1:
                     groups.append(cur)
                     cur = []
                 cur.append(i)
