@@ -2,7 +2,7 @@
 // paged cache (no gather), fp32 math, online softmax in tiles of 16 tokens. Registered as
 // torch.ops.tierkv.paged_decode; kernels/cpu_attention.py builds and loads it.
 //
-// Work is split over (sequence, key split): a task walks its blocks once, each K and V row
+// Work is split over (sequence, run of keys): a task walks its blocks once, each K and V row
 // serving every query head of its KV head's group, so the cache is read once per step, as
 // a dense SDPA over pre-gathered KV would. Math is in GCC vector extensions of 16 floats
 // (one AVX-512 register; two AVX2 ones elsewhere).
@@ -209,7 +209,7 @@ void attend(const vf16* q, int G, int C, int hkv, const T* kc, const T* vc, cons
 template <typename T, typename O>
 void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
          const at::Tensor& seen, double scale, const at::Tensor& ksc, const at::Tensor& vsc,
-         const at::Tensor& lut, int64_t splits, at::Tensor& out) {
+         const at::Tensor& lut, int64_t chunk, at::Tensor& out) {
   const int b = q.size(0), hq = q.size(1), D = q.size(2);
   const int bs = kc.size(1), hkv = kc.size(2);
   const int G = hq / hkv;
@@ -224,15 +224,20 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   const float* vs = vsc.defined() ? vsc.data_ptr<float>() : nullptr;
   const float* lp = lut.defined() ? lut.data_ptr<float>() : nullptr;
   const int C = D / L;
+  // Tasks: each sequence's keys in runs of `chunk`, so that tasks cost about the same and the
+  // threads' equal shares of them stay balanced whatever the lengths (split-K for free when
+  // a few long sequences would leave threads idle). first[i]: sequence i's first task.
+  std::vector<int64_t> first(b + 1, 0);
+  for (int i = 0; i < b; ++i) first[i + 1] = first[i] + std::max<int64_t>(1, (sp[i] + chunk - 1) / chunk);
   // Every task writes its own state before reading it.
   thread_local Workspace ws;
-  Partial* parts = ws.get(size_t(b) * splits * hkv, G, C);
-  at::parallel_for(0, int64_t(b) * splits, 1, [&](int64_t lo, int64_t hi) {
+  Partial* parts = ws.get(size_t(first[b]) * hkv, G, C);
+  at::parallel_for(0, first[b], 1, [&](int64_t lo, int64_t hi) {
     std::unique_ptr<vf16[]> qv(new vf16[size_t(hq) * C]);
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t i = task / splits, sp_i = task % splits;
-      const int64_t len = sp[i], per = (len + splits - 1) / splits;
-      const int64_t k0 = std::min(len, sp_i * per), k1 = std::min(len, k0 + per);
+      const int64_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t len = sp[i];
+      const int64_t k0 = std::min(len, (task - first[i]) * chunk), k1 = std::min(len, k0 + chunk);
       for (int hd = 0; hd < hq; ++hd) {
         const float f = float(scale) * (ks ? ks[hd / G] : 1.f);  // the K scale folds into q
         for (int c = 0; c < C; ++c) qv[hd * C + c] = load16(qp + (i * hq + hd) * D + c * L, nullptr) * f;
@@ -246,19 +251,20 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
       }
     }
   });
-  // Merge the splits of each (sequence, head) by log-sum-exp; no keys -> zeros.
+  // Merge the runs of each (sequence, head) by log-sum-exp; no keys -> zeros.
   at::parallel_for(0, int64_t(b) * hkv, 1, [&](int64_t lo, int64_t hi) {
     vf16 o[kMaxC];
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t i = bh / hkv, h = bh % hkv;
-      const Partial* ps = &parts[(i * splits) * hkv + h];  // split j at ps[j * hkv]
+      const Partial* ps = &parts[first[i] * hkv + h];  // run j at ps[j * hkv]
+      const int64_t splits = first[i + 1] - first[i];
       for (int g = 0; g < G; ++g) {
         float mx = -kInf, l = 0.f;
         for (int64_t j = 0; j < splits; ++j) mx = std::max(mx, ps[j * hkv].m[g]);
         std::fill(o, o + C, splat(0.f));
         for (int64_t j = 0; j < splits && mx > -kInf; ++j) {
           const Partial& pj = ps[j * hkv];
-          if (pj.l[g] == 0.f) continue;  // a split with no keys
+          if (pj.l[g] == 0.f) continue;  // a run with no keys
           const float c = std::exp(pj.m[g] - mx);
           l += pj.l[g] * c;
           for (int cc = 0; cc < C; ++cc) o[cc] += pj.acc[g * C + cc] * c;
@@ -276,11 +282,11 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
 template <typename O>
 void by_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
               const at::Tensor& seen, double scale, const at::Tensor& ks, const at::Tensor& vs,
-              const at::Tensor& lut, int64_t splits, at::Tensor& out) {
+              const at::Tensor& lut, int64_t chunk, at::Tensor& out) {
   if (lut.defined())
-    run<uint8_t, O>(q, kc, vc, ids, seen, scale, ks, vs, lut, splits, out);
+    run<uint8_t, O>(q, kc, vc, ids, seen, scale, ks, vs, lut, chunk, out);
   else
-    run<O, O>(q, kc, vc, ids, seen, scale, ks, vs, lut, splits, out);
+    run<O, O>(q, kc, vc, ids, seen, scale, ks, vs, lut, chunk, out);
 }
 
 // q [b, Hq, D]; k/v cache [nb, bs, Hkv, D] in q's dtype, or uint8 (fp8 bytes) with lut [256]
@@ -289,7 +295,7 @@ void by_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, c
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
                         const at::Tensor& seen, double scale, const c10::optional<at::Tensor>& k_scale,
                         const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lut,
-                        int64_t splits) {
+                        int64_t chunk) {
   TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(3) == q.size(2) &&
                   q.size(1) % kc.size(2) == 0,
               "paged_decode: q [b, Hq, D], caches [num_blocks, block_size, Hkv, D] with Hq a multiple of Hkv");
@@ -299,8 +305,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Ten
                   ids.scalar_type() == at::kLong && seen.scalar_type() == at::kLong,
               "paged_decode: ids [b, nblk] and seen [b] must be int64");
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && ids.is_contiguous() &&
-                  seen.is_contiguous() && splits >= 1,
-              "paged_decode: contiguous tensors and splits >= 1");
+                  seen.is_contiguous() && chunk >= 1,
+              "paged_decode: contiguous tensors and chunk >= 1");
   at::Tensor out = at::empty_like(q);
   at::Tensor ks = k_scale.value_or(at::Tensor()), vs = v_scale.value_or(at::Tensor());
   at::Tensor lt = lut.value_or(at::Tensor());
@@ -312,9 +318,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Ten
                        vs.scalar_type() == at::kFloat && ks.is_contiguous() && vs.is_contiguous()),
               "paged_decode: fp8 caches need a float lut [256] and float k/v scales [Hkv]");
   switch (q.scalar_type()) {
-    case at::kFloat: by_cache<float>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;
-    case at::kBFloat16: by_cache<at::BFloat16>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;
-    case at::kHalf: by_cache<at::Half>(q, kc, vc, ids, seen, scale, ks, vs, lt, splits, out); break;
+    case at::kFloat: by_cache<float>(q, kc, vc, ids, seen, scale, ks, vs, lt, chunk, out); break;
+    case at::kBFloat16: by_cache<at::BFloat16>(q, kc, vc, ids, seen, scale, ks, vs, lt, chunk, out); break;
+    case at::kHalf: by_cache<at::Half>(q, kc, vc, ids, seen, scale, ks, vs, lt, chunk, out); break;
     default: TORCH_CHECK(false, "paged_decode: q must be float32, bfloat16 or float16");
   }
   return out;
@@ -324,6 +330,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Ten
 
 TORCH_LIBRARY(tierkv, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor ids, Tensor seen, float scale, "
-        "Tensor? k_scale, Tensor? v_scale, Tensor? lut, int splits) -> Tensor");
+        "Tensor? k_scale, Tensor? v_scale, Tensor? lut, int chunk) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
 }

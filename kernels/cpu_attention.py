@@ -19,7 +19,7 @@ from kernels.fp8 import FP8, is_fp8
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-SPLIT_KEYS = 512  # keys per split-K task at least: fewer tasks than threads split long contexts
+CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 
 
 def enabled() -> bool:
@@ -80,11 +80,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     <= nblk * block_size; usable(q, k_cache, v_cache) is True; fp8 caches come with float32 scales [Hkv]."""
     fp8 = is_fp8(k_cache)
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
-    tasks = q.shape[0]
-    threads = torch.get_num_threads()
-    longest = int(ids.shape[1]) * k_cache.shape[1]
-    splits = 1 if tasks >= 2 * threads else max(1, min(-(-2 * threads // tasks), longest // SPLIT_KEYS))
     return torch.ops.tierkv.paged_decode(q.contiguous(), kc, vc, ids, seen, scale,
                                          k_scale if fp8 else None, v_scale if fp8 else None,
-                                         _fp8_table() if fp8 else None, splits)
+                                         _fp8_table() if fp8 else None, CHUNK_KEYS)
 

@@ -81,13 +81,13 @@ def paged(nb: int, bs: int, lens: list[int], hq: int, hkv: int, d: int, seed: in
 
 
 @pytest.mark.parametrize("bs", [8, 16, 32, 48])
-@pytest.mark.parametrize("splits", [1, 3, 7])
-def test_block_sizes_and_split_k(bs, splits):
-    # Tiles of 16 tokens inside larger blocks, part-tiles in smaller ones; key splits that
-    # start mid-block, and more splits than a short sequence has keys (empty splits).
-    q, k, v, bt, lens = paged(64, bs, [1, 5, 100, 333], 8, 2, 64, seed=bs + splits)
+@pytest.mark.parametrize("chunk", [7, 16, 50, 4096])
+def test_block_sizes_and_key_runs(bs, chunk):
+    # Tiles of 16 tokens inside larger blocks, part-tiles in smaller ones; runs of keys (one
+    # task each, merged by log-sum-exp) that start mid-block or mid-tile, or cover everything.
+    q, k, v, bt, lens = paged(64, bs, [1, 5, 100, 333], 8, 2, 64, seed=bs + chunk)
     want = paged_attention_ref(q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False)
-    got = torch.ops.tierkv.paged_decode(q, k, v, bt, lens, 0.125, None, None, None, splits)
+    got = torch.ops.tierkv.paged_decode(q, k, v, bt, lens, 0.125, None, None, None, chunk)
     torch.testing.assert_close(got, want, **tol(torch.float32))
 
 
