@@ -19,6 +19,7 @@ from kernels.fp8 import FP8, is_fp8
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+HEADER = SOURCE.with_name("cpu_vec.h")  # included by SOURCE
 CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 
 
@@ -28,14 +29,15 @@ def enabled() -> bool:
 
 
 def _build_dir() -> Path:
-    """One build per source, torch version and CPU: -march=native code must not run on another
+    """One build per source (and header), torch version and CPU: -march=native code must not run on another
     CPU (a cached build from a different host could hit an illegal instruction)."""
     flags = ""
     try:
         flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    tag = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes() + torch.__version__.encode()
+                         + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
     path = root / f"cpu_attention-{tag}"
     path.mkdir(parents=True, exist_ok=True)
