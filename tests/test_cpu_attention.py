@@ -147,3 +147,23 @@ def test_op_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="fp8"):
         raw = torch.zeros(k.shape, dtype=torch.uint8)
         op(q, raw, raw, bt, lens, 0.125, None, None, torch.zeros(256), 1)  # fp8 bytes without scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_op_is_bit_identical_to_torch(dtype):
+    # The engine's q and k are views split out of one projection; re-rotation passes
+    # transposed caches; the op must read any row strides and round exactly as torch does.
+    from kernels.rope import RotaryEmbedding, rotate, rotate_ref
+    rope = RotaryEmbedding(64, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    g = torch.Generator().manual_seed(7)
+    for n in (0, 1, 13, 300):
+        qkv = (torch.randn(n, 768, generator=g) * 4).to(dtype)
+        q, k, _ = qkv.split([512, 128, 128], -1)
+        cos, sin = rope.cos_sin(torch.randint(0, 20000, (n,), generator=g))
+        for x in (q.view(n, 8, 64), k.view(n, 2, 64), k.reshape(n, 2, 64).transpose(0, 1).contiguous().transpose(0, 1)):
+            assert cpu_attention.rope_usable(x)
+            got = rotate(x, cos, sin)
+            assert got.is_contiguous() and torch.equal(got, rotate_ref(x, cos, sin))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tierkv.rope(q.view(n, 8, 64), cos.double(), sin.double())
