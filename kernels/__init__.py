@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_attention
 from kernels.dispatch import triton_available, use_triton
 from kernels.fp8 import FP8, FP8_MAX, dequantize_fp8, fp8_scales, quantize_fp8
 from kernels.ref_attention import paged_attention_ref
@@ -38,6 +39,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if use_triton(k):
         from kernels.triton_kv import write_kv_triton
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if cpu_attention.write_kv_usable(k, v, k_cache, v_cache) and slot_mapping.dtype in (torch.int32, torch.int64):
+        try:  # one C++ pass; it checks every slot before writing any
+            return torch.ops.tierkv.write_kv(k, v, k_cache, v_cache, slot_mapping.long().contiguous())
+        except RuntimeError as e:
+            raise ValueError(str(e).splitlines()[0]) from None
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 

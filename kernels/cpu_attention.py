@@ -1,6 +1,6 @@
 """The engine's C++ CPU kernels, built on first use with torch's extension builder: decode
 attention (cpu_attention.cpp) that reads K and V in place from the paged cache, and RoPE in
-one pass (cpu_rope.cpp, bit-identical to the torch expression in rope.py).
+one pass and the KV write (cpu_ops.cpp; RoPE bit-identical to the torch expression in rope.py).
 
 The torch reference gathers every decode sequence's blocks into scratch before SDPA reads
 them, so it moves the KV three times; this kernel reads it once. Where it cannot be built
@@ -21,7 +21,7 @@ from kernels.fp8 import FP8, is_fp8
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEADER = SOURCE.with_name("cpu_vec.h")  # included by SOURCE
-ROPE = SOURCE.with_name("cpu_rope.cpp")  # built into the same library: torch.ops.tierkv.rope
+OPS = SOURCE.with_name("cpu_ops.cpp")  # built into the same library: torch.ops.tierkv.rope, .write_kv
 CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 
 
@@ -38,7 +38,7 @@ def _build_dir() -> Path:
         flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    code = SOURCE.read_bytes() + HEADER.read_bytes() + ROPE.read_bytes()
+    code = SOURCE.read_bytes() + HEADER.read_bytes() + OPS.read_bytes()
     tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
     path = root / f"cpu_attention-{tag}"
@@ -51,7 +51,7 @@ def load() -> bool:
     """Build (once per machine, ~1 min) and load the kernel; False when that fails."""
     try:
         from torch.utils.cpp_extension import load as build
-        build(name="tierkv_cpu_attention", sources=[str(SOURCE), str(ROPE)], build_directory=str(_build_dir()),
+        build(name="tierkv_cpu_attention", sources=[str(SOURCE), str(OPS)], build_directory=str(_build_dir()),
               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works
@@ -78,6 +78,14 @@ def rope_usable(x: torch.Tensor) -> bool:
     """True when torch.ops.tierkv.rope serves x [N, H, D]: a CPU float tensor, rows contiguous."""
     return (x.device.type == "cpu" and enabled() and x.dim() == 3 and x.stride(2) == 1
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and load())
+
+
+def write_kv_usable(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """True when torch.ops.tierkv.write_kv serves this write: CPU tensors, the caches in k's
+    dtype (fp8 caches quantize: the reference does that), rows contiguous."""
+    return (k.device.type == "cpu" and enabled() and k.dim() == 3 and v.dim() == 3 and k.stride(2) == 1
+            and v.stride(2) == 1 and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and load())
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor,

@@ -167,3 +167,26 @@ def test_rope_op_is_bit_identical_to_torch(dtype):
             assert got.is_contiguous() and torch.equal(got, rotate_ref(x, cos, sin))
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.tierkv.rope(q.view(n, 8, 64), cos.double(), sin.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_op_matches_reference(dtype):
+    from kernels import write_kv
+    from kernels.ref_kv import write_kv_ref
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(40, 3 * 2 * 64, generator=g).to(dtype)
+    _, k, v = kv.split([2 * 64, 2 * 64, 2 * 64], -1)  # views, as the engine's k and v are
+    k, v = k.view(40, 2, 64), v.view(40, 2, 64)
+    slots = torch.randperm(9 * 16, generator=g)[:40]
+    slots[::7] = -1  # padding rows are skipped
+    caches = [torch.zeros(9, 16, 2, 64, dtype=dtype) for _ in range(4)]
+    assert cpu_attention.write_kv_usable(k, v, caches[0], caches[1])
+    write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    before = [c.clone() for c in caches[:2]]
+    bad = slots.clone()
+    bad[-1] = 9 * 16  # one past the end: an error, and nothing written
+    with pytest.raises(ValueError, match="past the end"):
+        write_kv(k + 1, v + 1, caches[0], caches[1], bad)
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
