@@ -3,8 +3,9 @@ attention (cpu_attention.cpp) that reads K and V in place from the paged cache, 
 one pass and the KV write (cpu_ops.cpp; RoPE bit-identical to the torch expression in rope.py).
 
 The torch reference gathers every decode sequence's blocks into scratch before SDPA reads
-them, so it moves the KV three times; this kernel reads it once. Where it cannot be built
-(no compiler) or is turned off (TIERKV_CPU_KERNEL=0), the reference runs, with one warning.
+them, so it moves the KV three times; the decode kernel reads it once. Where the library
+cannot be built (no compiler; one warning) or is turned off (TIERKV_CPU_KERNEL=0), the torch
+code runs instead, with the same results (RoPE, KV write) or within fp32 rounding (attention).
 """
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced
 
 
 def enabled() -> bool:
-    """TIERKV_CPU_KERNEL=0 turns the C++ decode kernel off (the torch reference runs)."""
+    """TIERKV_CPU_KERNEL=0 turns the C++ kernels off (the torch code runs)."""
     return os.environ.get("TIERKV_CPU_KERNEL", "1") != "0"
 
 
 def _build_dir() -> Path:
-    """One build per source (and header), torch version and CPU: -march=native code must not run on another
-    CPU (a cached build from a different host could hit an illegal instruction)."""
+    """One build per source, torch version and CPU: -march=native code must not run on
+    another CPU (a cached build from a different host could hit an illegal instruction)."""
     flags = ""
     try:
         flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
@@ -48,14 +49,14 @@ def _build_dir() -> Path:
 
 @functools.cache
 def load() -> bool:
-    """Build (once per machine, ~1 min) and load the kernel; False when that fails."""
+    """Build (once per machine and source, about 20 s) and load the library; False if that fails."""
     try:
         from torch.utils.cpp_extension import load as build
         build(name="tierkv_cpu_attention", sources=[str(SOURCE), str(OPS)], build_directory=str(_build_dir()),
               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works
-        log.warning("tierkv: C++ CPU decode kernel unavailable (%s); using the torch reference", e)
+        log.warning("tierkv: C++ CPU kernels unavailable (%s); using the torch code", e)
         return False
     return True
 
@@ -95,10 +96,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     Contract (checked by the caller, kernels/ref_attention.py, before any read): ids [b, nblk]
     int64 holds valid block ids of k_cache for every block that seen[i] covers; seen [b] int64
-    <= nblk * block_size; usable(q, k_cache, v_cache) is True; fp8 caches come with float32 scales [Hkv]."""
+    <= nblk * block_size; usable(q, k_cache, v_cache) is True; fp8 caches come with float32
+    scales [Hkv]."""
     fp8 = is_fp8(k_cache)
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     return torch.ops.tierkv.paged_decode(q.contiguous(), kc, vc, ids, seen, scale,
                                          k_scale if fp8 else None, v_scale if fp8 else None,
                                          _fp8_table() if fp8 else None, CHUNK_KEYS)
-

@@ -15,8 +15,8 @@
 namespace {
 
 template <typename T>
-void rotate_rows(const T* x, int64_t sn, int64_t sh, const float* cos, const float* sin, T* out, int64_t n0,
-                 int64_t n1, int64_t h, int64_t d) {
+void rotate_rows(const T* x, int64_t sn, int64_t sh, const float* cos, const float* sin, T* out,
+                 int64_t n0, int64_t n1, int64_t h, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t n = n0; n < n1; ++n) {
     const float* c = cos + n * half;
@@ -35,10 +35,11 @@ void rotate_rows(const T* x, int64_t sn, int64_t sh, const float* cos, const flo
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0 && x.stride(2) == 1, "rope: x must be [N, H, D], D even, rows contiguous");
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) * 2 == x.size(2) &&
-                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous(),
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0 && x.stride(2) == 1,
+              "rope: x must be [N, H, D], D even, rows contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+                  cos.size(1) * 2 == x.size(2) && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
               "rope: cos and sin must be contiguous float32 [N, D/2]");
   at::Tensor out = at::empty(x.sizes(), x.options());  // contiguous, whatever x's strides
   const int64_t n = x.size(0), h = x.size(1), d = x.size(2);
@@ -46,7 +47,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const float* s = sin.data_ptr<float>();
   const int64_t sn = x.stride(0), sh = x.stride(1);
   auto go = [&](auto* xp, auto* op) {
-    at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) { rotate_rows(xp, sn, sh, c, s, op, lo, hi, h, d); });
+    at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+      rotate_rows(xp, sn, sh, c, s, op, lo, hi, h, d);
+    });
   };
   switch (x.scalar_type()) {
     case at::kFloat: go(x.data_ptr<float>(), out.data_ptr<float>()); break;
@@ -62,17 +65,20 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // first write, so a bad one changes nothing.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slots) {
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) && k.stride(2) == 1 && v.stride(2) == 1,
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k.size(1) == k_cache.size(2) &&
+                  k.size(2) == k_cache.size(3) && k.stride(2) == 1 && v.stride(2) == 1,
               "write_kv: k, v [N, Hkv, D] with contiguous rows; caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
                   v_cache.scalar_type() == k.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "write_kv: k, v and contiguous caches of one dtype");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
               "write_kv: slots must be int64 [N]");
   const int64_t n = k.size(0), h = k.size(1), row = h * k.size(2), total = k_cache.size(0) * k_cache.size(1);
   const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sl[i] < total, "write_kv: slot ", sl[i], " past the end of the cache");
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sl[i] < total, "write_kv: slot ", sl[i], " past the end of the cache");
   const int64_t bytes = k.size(2) * k.element_size();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
