@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -47,9 +48,11 @@ def _build_dir() -> Path:
     return path
 
 
+_LOCK = threading.Lock()
+
+
 @functools.cache
-def load() -> bool:
-    """Build (once per machine and source, about 20 s) and load the library; False if that fails."""
+def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
         build(name="tierkv_cpu_attention", sources=[str(SOURCE), str(OPS)], build_directory=str(_build_dir()),
@@ -59,6 +62,13 @@ def load() -> bool:
         log.warning("tierkv: C++ CPU kernels unavailable (%s); using the torch code", e)
         return False
     return True
+
+
+def load() -> bool:
+    """Build (once per machine and source, about 20 s) and load the library; False if that fails.
+    One thread builds and loads; the others wait (a second load of the library would fail)."""
+    with _LOCK:
+        return _load()
 
 
 @functools.cache

@@ -190,3 +190,15 @@ def test_write_kv_op_matches_reference(dtype):
     with pytest.raises(ValueError, match="past the end"):
         write_kv(k + 1, v + 1, caches[0], caches[1], bad)
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
+def test_load_from_many_threads_at_once():
+    # The connector's loop thread may reach the library (re-rotation) while the engine does.
+    cpu_attention._load.cache_clear()
+    got: list[bool] = []
+    threads = [threading.Thread(target=lambda: got.append(cpu_attention.load())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [True] * 4
