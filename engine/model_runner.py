@@ -17,7 +17,7 @@ from engine.model import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
 import torch.nn.functional as F
 
-from kernels import cpu_attention, fp8_scales, paged_attention, use_triton, write_kv
+from kernels import cpu, fp8_scales, paged_attention, use_triton, write_kv
 
 FP8 = torch.float8_e4m3fn
 FP8_HEADROOM = 2.0
@@ -96,7 +96,7 @@ class ModelRunner:
         # The C++ CPU decode kernel walks each sequence's own keys: decodes of any lengths go in
         # one call. The torch reference pads a decode batch to its longest sequence instead.
         q = torch.empty(1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.one_decode_group = cpu_attention.usable(q, self.kv_caches[0][0], self.kv_caches[0][1])
+        self.one_decode_group = cpu.decode_usable(q, self.kv_caches[0][0], self.kv_caches[0][1])
         self.scale = cfg.head_dim ** -0.5
         self.ctx: Context | None = None
         # kv_scales is filled in place on the first forward, so the connector sees the final scales.

@@ -2,13 +2,13 @@
 
 Each public function dispatches: the Triton kernel on CUDA tensors (or CPU tensors under
 TRITON_INTERPRET=1), the torch reference otherwise; on a CPU, paged attention's decodes go
-through the C++ kernel of cpu_attention.py. Triton is imported lazily.
+through the C++ kernel (kernels/cpu.py). Triton is imported lazily.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu
 from kernels.dispatch import triton_available, use_triton
 from kernels.fp8 import FP8, FP8_MAX, dequantize_fp8, fp8_scales, quantize_fp8
 from kernels.ref_attention import paged_attention_ref
@@ -39,7 +39,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if use_triton(k):
         from kernels.triton_kv import write_kv_triton
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if cpu_attention.write_kv_usable(k, v, k_cache, v_cache) and slot_mapping.dtype in (torch.int32, torch.int64):
+    if cpu.write_kv_usable(k, v, k_cache, v_cache) and slot_mapping.dtype in (torch.int32, torch.int64):
         try:  # one C++ pass; it checks every slot before writing any
             return torch.ops.tierkv.write_kv(k, v, k_cache, v_cache, slot_mapping.long().contiguous())
         except RuntimeError as e:

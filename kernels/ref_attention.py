@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
+from kernels import cpu
 from kernels.attention_checks import check_attention_args, check_attention_values
 from kernels.fp8 import is_fp8
 
@@ -155,8 +155,8 @@ def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.
     reads K and V once and does its fp32 math in tiles, where a bf16 bmm can fall back to a
     slow GEMM on CPUs without native bf16."""
     b, hq, d = q.shape
-    if cpu_kernel and cpu_attention.usable(q, k_cache, v_cache):
-        return cpu_attention.paged_decode(q, k_cache, v_cache, plan.dec_ids.view(b, -1), plan.dec_seen, scale,
+    if cpu_kernel and cpu.decode_usable(q, k_cache, v_cache):
+        return cpu.paged_decode(q, k_cache, v_cache, plan.dec_ids.view(b, -1), plan.dec_seen, scale,
                                           k_scale, v_scale)
     hkv = k_cache.shape[2]
     kv = []
@@ -191,7 +191,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor, scale: float,
                         k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None, cpu_kernel: bool = False) -> torch.Tensor:
-    """cpu_kernel: decodes go through the C++ kernel of cpu_attention.py where it is usable
+    """cpu_kernel: decodes go through the C++ kernel (kernels/cpu.py) where it is usable
     (the engine's CPU path); False keeps everything in torch (the reference proper)."""
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
                          k_scale, v_scale)

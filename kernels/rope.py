@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu
 from kernels.dispatch import use_triton
 
 
@@ -37,7 +37,7 @@ def llama_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, H, D] rotated by cos/sin [N, D/2] (fp32), in x's dtype: x*cos + rotate_half(x)*sin.
     On a CPU the C++ op does it in one pass, bit for bit the same (see cpu_ops.cpp)."""
-    if cpu_attention.rope_usable(x):
+    if cpu.rope_usable(x):
         return torch.ops.tierkv.rope(x, cos.contiguous(), sin.contiguous())
     return rotate_ref(x, cos, sin)
 

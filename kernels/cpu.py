@@ -43,7 +43,7 @@ def _build_dir() -> Path:
     code = SOURCE.read_bytes() + HEADER.read_bytes() + OPS.read_bytes()
     tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
-    path = root / f"cpu_attention-{tag}"
+    path = root / f"cpu-{tag}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -55,7 +55,7 @@ _LOCK = threading.Lock()
 def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
-        build(name="tierkv_cpu_attention", sources=[str(SOURCE), str(OPS)], build_directory=str(_build_dir()),
+        build(name="tierkv_cpu", sources=[str(SOURCE), str(OPS)], build_directory=str(_build_dir()),
               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works
@@ -76,7 +76,7 @@ def _fp8_table() -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(FP8).float()
 
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def decode_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """True when the kernel serves this call: CPU tensors, a cache in q's dtype or fp8, the
     kernel's size limits, and a successful build."""
     g = q.shape[1] // k_cache.shape[2]
@@ -106,7 +106,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     Contract (checked by the caller, kernels/ref_attention.py, before any read): ids [b, nblk]
     int64 holds valid block ids of k_cache for every block that seen[i] covers; seen [b] int64
-    <= nblk * block_size; usable(q, k_cache, v_cache) is True; fp8 caches come with float32
+    <= nblk * block_size; decode_usable(q, k_cache, v_cache) is True; fp8 caches come with float32
     scales [Hkv]."""
     fp8 = is_fp8(k_cache)
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels import cpu_attention, paged_attention, paged_attention_ref
+from kernels import cpu, paged_attention, paged_attention_ref
 from tests.test_kernels import tol
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
 
@@ -18,7 +18,7 @@ from tests.test_kernels_cases import Batch, dense_attention, make_batch
 def _cpu_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TIERKV_CPU_KERNEL", raising=False)
-    assert cpu_attention.load(), "the C++ decode kernel did not build: see the log above"
+    assert cpu.load(), "the C++ decode kernel did not build: see the log above"
 
 
 def both(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +35,7 @@ def test_decode_matches_reference_and_dense(dtype, hq, hkv, d):
     # a sequence with no keys, and one query at an earlier position than its last key.
     b = make_batch(seed=hq * 3 + d, hq=hq, hkv=hkv, d=d, dtype=dtype,
                    seqs=[(1, 1), (37, 1), (150, 1), (0, 0), (64, 1), (90, [40])])
-    assert cpu_attention.usable(b.q, b.k_cache, b.v_cache)
+    assert cpu.decode_usable(b.q, b.k_cache, b.v_cache)
     got, ref = both(b)
     torch.testing.assert_close(got, ref, **tol(dtype))
     torch.testing.assert_close(got, dense_attention(b), **tol(dtype))
@@ -114,12 +114,12 @@ def test_threads_and_concurrent_callers():
 def test_reference_where_the_kernel_does_not_apply(monkeypatch):
     b = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(40, 1), (9, 1)])
     monkeypatch.setenv("TIERKV_CPU_KERNEL", "0")
-    assert not cpu_attention.usable(b.q, b.k_cache, b.v_cache)
+    assert not cpu.decode_usable(b.q, b.k_cache, b.v_cache)
     monkeypatch.delenv("TIERKV_CPU_KERNEL")
     odd = make_batch(seed=2, hq=4, hkv=2, d=40, dtype=torch.float32, seqs=[(40, 1)])  # head dim % 16
     mixed = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.bfloat16, seqs=[(40, 1)], cache_dtype=torch.float32)
     for x in (odd, mixed):
-        assert not cpu_attention.usable(x.q, x.k_cache, x.v_cache)
+        assert not cpu.decode_usable(x.q, x.k_cache, x.v_cache)
         got, ref = both(x)
         torch.testing.assert_close(got, ref, **tol(x.q.dtype))
 
@@ -162,7 +162,7 @@ def test_rope_op_is_bit_identical_to_torch(dtype):
         q, k, _ = qkv.split([512, 128, 128], -1)
         cos, sin = rope.cos_sin(torch.randint(0, 20000, (n,), generator=g))
         for x in (q.view(n, 8, 64), k.view(n, 2, 64), k.reshape(n, 2, 64).transpose(0, 1).contiguous().transpose(0, 1)):
-            assert cpu_attention.rope_usable(x)
+            assert cpu.rope_usable(x)
             got = rotate(x, cos, sin)
             assert got.is_contiguous() and torch.equal(got, rotate_ref(x, cos, sin))
     with pytest.raises(RuntimeError, match="float32"):
@@ -180,7 +180,7 @@ def test_write_kv_op_matches_reference(dtype):
     slots = torch.randperm(9 * 16, generator=g)[:40]
     slots[::7] = -1  # padding rows are skipped
     caches = [torch.zeros(9, 16, 2, 64, dtype=dtype) for _ in range(4)]
-    assert cpu_attention.write_kv_usable(k, v, caches[0], caches[1])
+    assert cpu.write_kv_usable(k, v, caches[0], caches[1])
     write_kv(k, v, caches[0], caches[1], slots)
     write_kv_ref(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -194,9 +194,9 @@ def test_write_kv_op_matches_reference(dtype):
 
 def test_load_from_many_threads_at_once():
     # The connector's loop thread may reach the library (re-rotation) while the engine does.
-    cpu_attention._load.cache_clear()
+    cpu._load.cache_clear()
     got: list[bool] = []
-    threads = [threading.Thread(target=lambda: got.append(cpu_attention.load())) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: got.append(cpu.load())) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
