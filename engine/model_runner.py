@@ -136,8 +136,9 @@ class ModelRunner:
             fresh = [(int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()]
             dec = sorted((i for i in range(b) if counts[i] == 1), key=lambda i: -starts[i])
             groups, cur = [], []
+            split = not self.one_decode_group
             for i in dec:
-                if cur and not self.one_decode_group and (starts[i] + 1) * DECODE_GROUP_RATIO < starts[cur[0]] + 1:
+                if cur and split and (starts[i] + 1) * DECODE_GROUP_RATIO < starts[cur[0]] + 1:
                     groups.append(cur)
                     cur = []
                 cur.append(i)
