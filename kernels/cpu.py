@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEADER = SOURCE.with_name("cpu_vec.h")  # included by SOURCE
 OPS = SOURCE.with_name("cpu_ops.cpp")  # built into the same library: torch.ops.tierkv.rope, .write_kv
+LAYER = SOURCE.with_name("cpu_layer.cpp")  # and torch.ops.tierkv.rms_norm, .silu_mul
 CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 
 
@@ -40,7 +41,7 @@ def _build_dir() -> Path:
         flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    code = SOURCE.read_bytes() + HEADER.read_bytes() + OPS.read_bytes()
+    code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER))
     tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
     path = root / f"cpu-{tag}"
@@ -55,7 +56,7 @@ _LOCK = threading.Lock()
 def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
-        build(name="tierkv_cpu", sources=[str(SOURCE), str(OPS)], build_directory=str(_build_dir()),
+        build(name="tierkv_cpu", sources=[str(SOURCE), str(OPS), str(LAYER)], build_directory=str(_build_dir()),
               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works

@@ -1,6 +1,6 @@
 // Vectors of 16 floats for the CPU kernels (GCC vector extensions: one AVX-512 register,
 // two AVX2 ones on older CPUs): loads that widen cache rows to fp32, exp, and the shuffle
-// reductions. Included by cpu_attention.cpp only.
+// reductions. Included by cpu_attention.cpp and cpu_layer.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
