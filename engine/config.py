@@ -87,6 +87,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
+    # Linear layers compute in: "auto" = fp32 for bf16/fp16 weights on a CPU without native
+    # bf16/fp16 GEMMs (kernels/layer_ops.native_matmul; 6-8x faster there, weights take twice
+    # the memory), else the model dtype; "model" = always the model dtype; "float32" = always fp32.
+    # Activations and the KV cache stay in the model dtype either way.
+    matmul_dtype: str = "auto"
     # glibc on a CPU device: serve big tensors from the heap and never trim it, so a step's
     # buffers are reused instead of freshly mmapped and page-faulted (steps ran 2-10x slower
     # and erratic without it here). Process-wide; the heap stays at its peak size.
@@ -102,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.matmul_dtype not in ("auto", "model", "float32"):
+            raise ValueError(f"matmul_dtype must be 'auto', 'model' or 'float32', got {self.matmul_dtype!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.kv_cache_bytes <= 0:

@@ -79,12 +79,13 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_connector: KVConnector | None = None,
                  kv_cache_dtype: str = "auto", max_num_seqs: int = 256, max_model_len: int = 0,
                  seed: int = 0, device: str = "cpu", blend_ratio: float = 0.15, blend_check_layer: int = 1,
-                 blend_metric: str = "k") -> None:
+                 blend_metric: str = "k", matmul_dtype: str = "auto") -> None:
         self.config = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=kv_cache_bytes,
                                    block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
                                    max_model_len=max_model_len, seed=seed, blend_ratio=blend_ratio,
-                                   blend_check_layer=blend_check_layer, blend_metric=blend_metric)
+                                   blend_check_layer=blend_check_layer, blend_metric=blend_metric,
+                                   matmul_dtype=matmul_dtype)
         BlendParams(blend_ratio, blend_check_layer, blend_metric)  # checks the global knobs now
         net, self.model_config, self.dtype, self.tokenizer = load_model(model, self.config.dtype, seed)
         self.device = torch.device(device)

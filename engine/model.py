@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from kernels import RotaryEmbedding
-from kernels.layer_ops import rms_norm, silu_mul
+from kernels.layer_ops import linear, rms_norm, silu_mul
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -29,14 +29,21 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be wider than its input (see LlamaForCausalLM.widen_matmuls)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         # q, k and v in one matmul (the loader packs HF's q_proj/k_proj/v_proj into it).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rope = rope
 
     def forward(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -50,8 +57,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -82,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -95,6 +102,18 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
+
+    def widen_matmuls(self, dtype: torch.dtype) -> None:
+        """Keep every linear layer's weights in `dtype` (fp32 for a bf16 model on a CPU whose
+        torch GEMM has no native bf16): activations stay in the model dtype, each product is
+        computed in `dtype` and rounded back. A tied lm_head gets its own widened copy."""
+        if self.lm_head.weight is self.embed_tokens.weight:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().to(dtype), requires_grad=False)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.weight.data = m.weight.data.to(dtype)
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.to(dtype)
 
     def _shard(self, cfg: ModelConfig, target: str, idx: int) -> tuple[int, int]:
         if target == "qkv_proj":

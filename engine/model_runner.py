@@ -18,6 +18,7 @@ from engine.scheduler import SchedulerOutput
 import torch.nn.functional as F
 
 from kernels import cpu, fp8_scales, paged_attention, use_triton, write_kv
+from kernels.layer_ops import native_matmul
 
 FP8 = torch.float8_e4m3fn
 FP8_HEADROOM = 2.0
@@ -26,7 +27,10 @@ DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of 
 
 def bucket(n: int) -> int:
     """Row count a step is padded to: CPU matmul libraries build a kernel per new shape, so a
-    few dozen shapes beat a new one every step (the padding rows are a few percent)."""
+    few dozen shapes beat a new one every step (the padding rows are a few percent). Up to 8
+    rows none: a GEMM of 8 rows costs 2-3x one of 1 where the weights' reads dominate."""
+    if n <= 8:
+        return n
     step = 8 if n <= 64 else 64 if n <= 1024 else 256
     return -(-n // step) * step
 
@@ -102,6 +106,9 @@ class ModelRunner:
         # kv_scales is filled in place on the first forward, so the connector sees the final scales.
         connector.bind_model(model, cfg, dtype, self.kv_scales if self.kv_dtype == FP8 else None)
         connector.register_kv_caches(self.kv_caches)
+        # After bind_model: the connector's model fingerprint covers the weights as loaded.
+        if config.matmul_dtype == "float32" or (config.matmul_dtype == "auto" and not native_matmul(dtype, device)):
+            model.widen_matmuls(torch.float32)
 
     def prepare(self, out: SchedulerOutput) -> Context:
         bs, ids, counts, starts = self.config.block_size, [], [], []
@@ -183,7 +190,12 @@ class ModelRunner:
         write_kv(k, v, cache[0], cache[1], ctx.slot_mapping, ks, vs)
         self.connector.save_kv_layer(layer, cache, ctx)
         out = torch.zeros_like(q)
-        for s, e in ctx.fresh:  # 4-D: 3-D inputs fall back to SDPA's slow math path on CPU (7x)
+        kernel = bool(ctx.fresh) and cpu.prefill_usable(q, k, v)
+        for s, e in ctx.fresh:
+            if kernel:
+                out[s:e] = cpu.prefill_attention(q[s:e], k[s:e], v[s:e], ctx.positions[s:e], self.scale)
+                continue
+            # 4-D: 3-D inputs fall back to SDPA's slow math path on CPU (7x)
             out[s:e] = F.scaled_dot_product_attention(
                 q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2),
                 is_causal=True, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)

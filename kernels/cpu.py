@@ -25,6 +25,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEADER = SOURCE.with_name("cpu_vec.h")  # included by SOURCE
 OPS = SOURCE.with_name("cpu_ops.cpp")  # built into the same library: torch.ops.tierkv.rope, .write_kv
 LAYER = SOURCE.with_name("cpu_layer.cpp")  # and torch.ops.tierkv.rms_norm, .silu_mul
+PREFILL = SOURCE.with_name("cpu_prefill.cpp")  # and torch.ops.tierkv.prefill_attention
 CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 
 
@@ -41,7 +42,7 @@ def _build_dir() -> Path:
         flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER))
+    code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER, PREFILL))
     tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
     path = root / f"cpu-{tag}"
@@ -56,7 +57,7 @@ _LOCK = threading.Lock()
 def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
-        build(name="tierkv_cpu", sources=[str(SOURCE), str(OPS), str(LAYER)], build_directory=str(_build_dir()),
+        build(name="tierkv_cpu", sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL)], build_directory=str(_build_dir()),
               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works
@@ -114,3 +115,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return torch.ops.tierkv.paged_decode(q.contiguous(), kc, vc, ids, seen, scale,
                                          k_scale if fp8 else None, v_scale if fp8 else None,
                                          _fp8_table() if fp8 else None, CHUNK_KEYS)
+
+
+
+def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when torch.ops.tierkv.prefill_attention serves q [Nq, Hq, D] over k, v [T, Hkv, D]:
+    CPU tensors of one dtype, fp32 or bf16, rows contiguous, D a multiple of 64 up to 256."""
+    return (q.device.type == "cpu" and enabled() and q.dim() == k.dim() == v.dim() == 3
+            and q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[2] % 64 == 0 and q.shape[2] <= 256 and q.stride(2) == k.stride(2) == v.stride(2) == 1
+            and load())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention of q [Nq, Hq, D] over k, v [T, Hkv, D], query i seeing keys [0, min(pos[i]+1, T))
+    -> [Nq, Hq, D], fp32 math; a query with no visible key gets zeros. Contract:
+    prefill_usable(q, k, v); the kernel checks shapes and that positions are non-negative."""
+    return torch.ops.tierkv.prefill_attention(q, k, v, pos.long().contiguous(), scale)

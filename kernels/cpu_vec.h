@@ -48,22 +48,35 @@ inline void store(const float* s, T* d, int n) {
   for (int i = 0; i < n; ++i) d[i] = static_cast<T>(s[i]);
 }
 
+// The widest vector of floats the target does in one register: prefill attention's
+// register blocks use it (GCC splits a vf16 on AVX2 into halves that it often spills).
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vfw __attribute__((vector_size(W * 4)));
+typedef int32_t viw __attribute__((vector_size(W * 4)));
+
 // exp of a vector: Cephes' expf polynomial (about 1 ulp); exactly 0 below -87 (masked lanes).
-inline vf16 vexp(vf16 x) {
-  vf16 xc = x < splat(-87.f) ? splat(-87.f) : x;
-  xc = xc > splat(88.f) ? splat(88.f) : xc;
-  const vf16 n = (xc * 1.44269504089f + 12582912.f) - 12582912.f;  // round to nearest
-  const vf16 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  vf16 p = splat(1.9875691500e-4f);
+template <typename V, typename VI>
+inline V vexp_n(V x) {
+  const V lo = V{} - 87.f, hi = V{} + 88.f;
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const V n = (xc * 1.44269504089f + 12582912.f) - 12582912.f;  // round to nearest
+  const V r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return x < splat(-87.f) ? splat(0.f) : p * (vf16)e;
+  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  return x < lo ? V{} : p * (V)e;
 }
+inline vf16 vexp(vf16 x) { return vexp_n<vf16, vi16>(x); }
 
 // x[t] holds 16 partial products of token t's score; lane t of the result is their sum.
 // Four shuffle-add stages, each halving the vectors and the lanes per token.

@@ -1,10 +1,13 @@
-"""The model's per-layer elementwise ops: RMSNorm and SiLU-and-multiply.
+"""The model's per-layer ops: RMSNorm, SiLU-and-multiply, and the linear layers' dtype choice.
 
 On a CPU each is one C++ pass (cpu_ops.cpp) where torch runs 4-7 ops over the whole batch;
 elsewhere, or with the library off, the torch references below run. The references are
 Hugging Face's expressions, which the C++ ops follow within fp32 rounding.
 """
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +47,31 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if _usable(x) and x.shape[1] % 2 == 0:
         return torch.ops.tierkv.silu_mul(x)
     return silu_mul_ref(x)
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def native_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's GEMM runs `dtype` at full speed on `device`: fp32 and any GPU always; bf16
+    and fp16 on a CPU only with AVX512-BF16 / AVX512-FP16 or AMX, which oneDNN's kernels need.
+    Without them torch's bf16 GEMM ran at ~16 GFLOP/s against ~100 for fp32 (AMD EPYC, AVX2)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return True
+    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}[dtype]
+    return any(f in _cpu_flags() for f in want)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). A weight kept wider than x (ModelRunner widens bf16 weights to fp32
+    where native_matmul is False) computes in its dtype and rounds the result to x's dtype: the
+    math of a bf16 GEMM with fp32 accumulation, in another summation order."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)

@@ -191,8 +191,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor, scale: float,
                         k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None, cpu_kernel: bool = False) -> torch.Tensor:
-    """cpu_kernel: decodes go through the C++ kernel (kernels/cpu.py) where it is usable
-    (the engine's CPU path); False keeps everything in torch (the reference proper)."""
+    """cpu_kernel: decodes and prefills go through the C++ kernels (kernels/cpu.py) where they
+    are usable (the engine's CPU path); False keeps everything in torch (the reference proper)."""
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
                          k_scale, v_scale)
     if q.shape[0] == 0:
@@ -205,7 +205,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan.dec_rows is not None:
         out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale,
                                       cpu_kernel)
+    kernel = cpu_kernel and k_cache.dtype == q.dtype and cpu.prefill_usable(q, k_cache[0], v_cache[0])
     for b, s, e, t, chunks in plan.prefills:
+        if kernel:  # whole blocks gathered token-major, then the C++ kernel
+            ids = block_tables[b, :-(-t // k_cache.shape[1])].long()
+            k, v = (gather_blocks(c, ids, 1, i)[0, :t] for i, c in enumerate((k_cache, v_cache)))
+            out[s:e] = cpu.prefill_attention(q[s:e], k, v, plan.pos[s:e], scale)
+            continue
         k, v = _dense_kv(k_cache, v_cache, block_tables[b:b + 1], t, k_scale, v_scale, q.dtype)
         out[s:e] = _prefill(q[s:e], plan.pos[s:e], k, v, chunks, scale)
     return out
