@@ -29,6 +29,7 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     info = {"cpu": cpu, "threads": os.cpu_count(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

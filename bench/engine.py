@@ -2,7 +2,11 @@
 transformers `generate` (padded batches of 32) on the same weights; (b) a shared 1K-token
 system prompt with prefix caching on vs off; (c) allocated KV slots holding no token.
 
-python -m bench.engine [--quick]
+python -m bench.engine [--quick] [--dtype bf16|fp32] [--rounds N]
+
+--dtype fp32 runs both systems in fp32 (results in engine_fp32.json): on a CPU without native
+bf16 GEMMs, where tierkv computes its bf16 linear layers in fp32 and HF does not, it shows how
+much of the bf16 ratio that choice makes.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from tqdm import tqdm
 from bench.common import goal, parser, print_table, write_results
 from engine import LLM, SamplingParams
 from engine.config import RANDOM_CONFIGS
+from kernels.layer_ops import native_matmul
 
 FULL = dict(rounds=3, requests=64, prompt=(128, 1024), output=(32, 256), hf_batch=32, shared_requests=32,
             system=1024, user=(32, 128), shared_output=32, latency_prompt=256, latency_output=64)
@@ -24,13 +29,13 @@ QUICK = dict(rounds=1, requests=12, prompt=(64, 256), output=(16, 48), hf_batch=
              system=512, user=(16, 64), shared_output=16, latency_prompt=128, latency_output=24)
 
 
-def bench_checkpoint(path: str):
+def bench_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16):
     """The bench model of DESIGN.md (random weights from seed 0), saved for both engines."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(**RANDOM_CONFIGS["bench"], max_position_embeddings=4096,
                       eos_token_id=None, bos_token_id=None, pad_token_id=0)
-    hf = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    hf = LlamaForCausalLM(cfg).to(dtype).eval()
     hf.save_pretrained(path)
     return hf
 
@@ -63,8 +68,8 @@ def hf_generate(hf, prompts: list[list[int]], outs: list[int], batch: int, bar: 
     return time.perf_counter() - t0, generated, empty / slots
 
 
-def engine_llm(path: str, prefix: bool) -> LLM:
-    return LLM(path, dtype="bf16", kv_cache_bytes=1 << 30, max_num_batched_tokens=2048, enable_prefix_caching=prefix)
+def engine_llm(path: str, prefix: bool, dtype: str = "bf16") -> LLM:
+    return LLM(path, dtype=dtype, kv_cache_bytes=1 << 30, max_num_batched_tokens=2048, enable_prefix_caching=prefix)
 
 
 def warm(llm: LLM) -> None:
@@ -82,16 +87,20 @@ def run_engine(llm: LLM, prompts, outs, desc: str) -> tuple[float, int, list]:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    c = QUICK if args.quick else FULL
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="both systems' dtype (default bf16)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds of (a) (default 3, 1 with --quick)")
+    args = ap.parse_args()
+    c = dict(QUICK if args.quick else FULL)
+    c["rounds"] = args.rounds or c["rounds"]
     torch.manual_seed(0)
     rows, tmp = [], tempfile.mkdtemp(prefix="tierkv-bench-")
-    hf = bench_checkpoint(tmp)
+    hf = bench_checkpoint(tmp, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
 
     # (a) throughput: rounds alternate the two systems, each round on its own prompts (seed),
     # so drift on this shared machine hits both; the goal takes the median of the round ratios.
     ratios = []
-    llm = engine_llm(tmp, prefix=True)
+    llm = engine_llm(tmp, prefix=True, dtype=args.dtype)
     warm(llm)
     for rnd in range(c["rounds"]):
         prompts, outs = workload(c["requests"], c["prompt"], c["output"], seed=rnd)
@@ -124,7 +133,7 @@ def main() -> None:
     users, _ = workload(c["shared_requests"], c["user"], (1, 1), seed=8)
     sprompts, souts = [system + u for u in users], [c["shared_output"]] * len(users)
     for prefix in (True, False):
-        sl = engine_llm(tmp, prefix)
+        sl = engine_llm(tmp, prefix, args.dtype)
         warm(sl)
         if sl.blocks.tree is not None:
             sl.blocks.tree.stats = type(sl.blocks.tree.stats)()
@@ -150,8 +159,10 @@ def main() -> None:
         ax.set_ylabel("output tokens/s")
         ax.tick_params(axis="x", labelsize=7)
 
-    write_results("engine", dict(c, quick=args.quick, model="bench (hidden 512, 8 layers, bf16, seed 0)",
-                                 max_num_batched_tokens=2048, threads=torch.get_num_threads()), rows, goals, plot)
+    write_results("engine" if args.dtype == "bf16" else "engine_fp32",
+                  dict(c, quick=args.quick, model=f"bench (hidden 512, 8 layers, {args.dtype}, seed 0)",
+                       max_num_batched_tokens=2048, threads=torch.get_num_threads(),
+                       native_bf16_matmul=native_matmul(torch.bfloat16, torch.device("cpu"))), rows, goals, plot)
 
 
 if __name__ == "__main__":

@@ -62,11 +62,17 @@ inline vfw loadw(const float* p) {
   return v;
 }
 
+// All lanes of v combined by op (a vector max or +), in log2(W) shuffle steps.
 template <typename Op>
 inline float fold(vfw v, Op op) {
-  float x = v[0];
-  for (int i = 1; i < W; ++i) x = op(x, v[i]);
-  return x;
+#if defined(__AVX512F__)
+  return reduce(v, op);
+#else
+  const viw r4 = {4, 5, 6, 7, 0, 1, 2, 3}, r2 = {2, 3, 0, 1, 6, 7, 4, 5}, r1 = {1, 0, 3, 2, 5, 4, 7, 6};
+  v = op(v, __builtin_shuffle(v, r4));
+  v = op(v, __builtin_shuffle(v, r2));
+  return op(v, __builtin_shuffle(v, r1))[0];
+#endif
 }
 
 // One tile of keys [k0, k0 + BK) for R rows: q [R][D] (scaled), lim [R] keys visible, state
@@ -83,7 +89,7 @@ void tile(const float* q, const int* lim, const float* kt, const float* vt, int 
       vfw b[C];
       for (int c = 0; c < C; ++c) b[c] = loadw(kt + d * BK + j0 + c * W);
       for (int r = 0; r < R; ++r) {
-        const vfw a = vfw{} + q[r * D + d];
+        const vfw a = q[r * D + d] - vfw{};  // a broadcast (x + 0 would keep an add: -0 + 0 is +0)
         for (int c = 0; c < C; ++c) s[r][c] += a * b[c];
       }
     }
@@ -103,15 +109,15 @@ void tile(const float* q, const int* lim, const float* kt, const float* vt, int 
       if (valid < W) sv[c] = lane < valid ? sv[c] : ninf;
       mx = mx > sv[c] ? mx : sv[c];
     }
-    const float mn = std::max(m[r], fold(mx, [](float a, float b) { return a > b ? a : b; }));
-    alpha[r] = std::exp(m[r] - mn);  // 0 at the first visible tile (m = -1e30), 1 if no new max
+    const float mn = std::max(m[r], fold(mx, [](vfw a, vfw b) { return a > b ? a : b; }));
+    alpha[r] = mn == m[r] ? 1.f : std::exp(m[r] - mn);  // 0 at the first visible tile (m = -1e30)
     vfw sum{};
     for (int c = 0; c < BK / W; ++c) {
       const vfw e = vexp_n<vfw, viw>(sv[c] - mn);  // masked lanes: exactly 0
       sum += e;
       std::memcpy(&p[r][c * W], &e, sizeof e);
     }
-    l[r] = l[r] * alpha[r] + fold(sum, [](float a, float b) { return a + b; });
+    l[r] = l[r] * alpha[r] + fold(sum, [](vfw a, vfw b) { return a + b; });
     m[r] = mn;
     top = std::max(top, std::min(BK, lim[r] - k0));
   }
@@ -123,7 +129,7 @@ void tile(const float* q, const int* lim, const float* kt, const float* vt, int 
       vfw b[C];
       for (int c = 0; c < C; ++c) b[c] = loadw(vt + j * D + d0 + c * W);
       for (int r = 0; r < R; ++r) {
-        const vfw a = vfw{} + p[r][j];
+        const vfw a = p[r][j] - vfw{};
         for (int c = 0; c < C; ++c) acc[r][c] += a * b[c];
       }
     }
