@@ -1,11 +1,12 @@
 // Paged decode attention for CPUs: one query per sequence, keys read in place from the
-// paged cache (no gather), fp32 math, online softmax in tiles of 16 tokens. Registered as
+// paged cache (no gather), fp32 math, online softmax in tiles of W tokens
+// (16 on AVX-512, 8 on AVX2). Registered as
 // torch.ops.tierkv.paged_decode; kernels/cpu_attention.py builds and loads it.
 //
 // Work is split over (sequence, run of keys): a task walks its blocks once, each K and V row
 // serving every query head of its KV head's group, so the cache is read once per step, as
-// a dense SDPA over pre-gathered KV would. Math is in GCC vector extensions of 16 floats
-// (one AVX-512 register; two AVX2 ones elsewhere).
+// a dense SDPA over pre-gathered KV would. Math is in GCC vector extensions of one register
+// (16 floats on AVX-512, 8 on AVX2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,21 +25,25 @@ namespace {
 
 using namespace tierkv_vec;
 
-constexpr int kMaxC = 16;  // head_dim / L
+// Vectors of one register: W floats (16 on AVX-512, 8 on AVX2, where GCC splits a 16-float
+// vector into halves it spills), and tiles of W tokens.
+using V = vfw;
+constexpr int L = W;
+constexpr int kMaxC = 256 / L;  // head_dim / L
 constexpr int kMaxG = 16;  // query heads per KV head
 constexpr int kAhead = 4;  // blocks prefetched ahead
 
 struct Partial {  // online-softmax state of one (task, KV head): running max, sum, weighted V
   float* m;   // [G]
   float* l;   // [G]
-  vf16* acc;  // [G * C]
+  V* acc;  // [G * C]
 };
 
 // Storage of the Partials, per calling thread and reused across calls: a fresh multi-MiB
 // buffer per layer call would cost more in page faults than the attention itself.
 struct Workspace {
   std::vector<float> ml;
-  std::vector<vf16> acc;
+  std::vector<V> acc;
   std::vector<Partial> parts;
 
   Partial* get(size_t n, int G, int C) {
@@ -50,47 +55,48 @@ struct Workspace {
   }
 };
 
-// n <= 16 tokens of one KV head (rows at k and v, `row` elements apart) into p. q is
+// n <= L tokens of one KV head (rows at k and v, `row` elements apart) into p. q is
 // [G, C] vectors, already scaled. k_next/v_next: the same rows kAhead blocks later, prefetched
 // one row per token (a burst of a whole block's prefetches at once was dropped, measured).
 // CT: C known at compile time (0: take the argument), so the common head dims get fully
-// unrolled row loops; FULL: n == 16 (every tile of a full
+// unrolled row loops; FULL: n == L (every tile of a full
 // block), so the token loops unroll too.
 template <int CT, bool FULL, typename T>
-void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, const T* k_next, const T* v_next,
+void attend_tile(const V* q, int G, int C_, const T* k, const T* v, const T* k_next, const T* v_next,
                  int64_t row, int n_, const float* lut, Partial& p) {
   const int C = CT ? CT : C_;
   const int n = FULL ? L : n_;
-  vf16 x[kMaxG][L], kr[kMaxC], vr[L][kMaxC];
+  V x[kMaxG][L], kr[kMaxC], vr[L][kMaxC];
   for (int t = 0; t < n; ++t) {
     for (int o = 0; o < C * L * int(sizeof(T)); o += 64) {  // a row of a later block, into L2
       __builtin_prefetch(reinterpret_cast<const char*>(k_next + t * row) + o, 0, 2);
       __builtin_prefetch(reinterpret_cast<const char*>(v_next + t * row) + o, 0, 2);
     }
-    for (int c = 0; c < C; ++c) kr[c] = load16(k + t * row + c * L, lut);
+    for (int c = 0; c < C; ++c) kr[c] = loadw(k + t * row + c * L, lut);
     for (int g = 0; g < G; ++g) {
-      vf16 a = q[g * C] * kr[0];
+      V a = q[g * C] * kr[0];
       for (int c = 1; c < C; ++c) a += q[g * C + c] * kr[c];
       x[g][t] = a;
     }
   }
   for (int t = 0; t < n; ++t)
-    for (int c = 0; c < C; ++c) vr[t][c] = load16(v + t * row + c * L, lut);
-  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int c = 0; c < C; ++c) vr[t][c] = loadw(v + t * row + c * L, lut);
+  viw lane;
+  for (int i = 0; i < L; ++i) lane[i] = i;
   for (int g = 0; g < G; ++g) {
     if (!FULL)
-      for (int t = n; t < L; ++t) x[g][t] = splat(0.f);
-    vf16 s = sum_rows(x[g]);
-    if (!FULL) s = lane < n ? s : splat(-kInf);
-    const float mx = std::max(p.m[g], reduce(s, [](vf16 a, vf16 b) { return a > b ? a : b; }));
+      for (int t = n; t < L; ++t) x[g][t] = V{};
+    V s = sum_rows_w(x[g]);
+    if (!FULL) s = lane < n ? s : (V{} - kInf);
+    const float mx = std::max(p.m[g], reduce_w(s, [](V a, V b) { return a > b ? a : b; }));
     alignas(64) float w[L];
-    const vf16 e = vexp(s - mx);
+    const V e = vexp_n<V, viw>(s - mx);
     std::memcpy(w, &e, sizeof e);
     const float corr = std::exp(p.m[g] - mx);  // the first tile: exp(-inf) = 0
-    p.l[g] = p.l[g] * corr + reduce(e, [](vf16 a, vf16 b) { return a + b; });
+    p.l[g] = p.l[g] * corr + reduce_w(e, [](V a, V b) { return a + b; });
     p.m[g] = mx;
     for (int c = 0; c < C; ++c) {
-      vf16 a = p.acc[g * C + c] * corr;
+      V a = p.acc[g * C + c] * corr;
       for (int t = 0; t < n; ++t) a += w[t] * vr[t][c];
       p.acc[g * C + c] = a;
     }
@@ -101,12 +107,12 @@ void attend_tile(const vf16* q, int G, int C_, const T* k, const T* v, const T* 
 // Blocks sit at random places in the cache, so the hardware prefetcher cannot guess the
 // next one: each tile prefetches its rows' counterparts kAhead blocks later.
 template <int CT, typename T>
-void attend(const vf16* q, int G, int C, int hkv, const T* kc, const T* vc, const int64_t* blocks,
+void attend(const V* q, int G, int C, int hkv, const T* kc, const T* vc, const int64_t* blocks,
             int64_t k0, int64_t k1, int bs, const float* lut, Partial* p) {
   for (int h = 0; h < hkv; ++h) {
     std::fill(p[h].m, p[h].m + G, -kInf);
     std::fill(p[h].l, p[h].l + G, 0.f);
-    std::fill(p[h].acc, p[h].acc + G * C, splat(0.f));
+    std::fill(p[h].acc, p[h].acc + G * C, V{});
   }
   const int64_t row = int64_t(hkv) * C * L;  // elements between tokens of a block
   for (int64_t start = k0; start < k1;) {
@@ -152,27 +158,27 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   thread_local Workspace ws;
   Partial* parts = ws.get(size_t(first[b]) * hkv, G, C);
   at::parallel_for(0, first[b], 1, [&](int64_t lo, int64_t hi) {
-    std::unique_ptr<vf16[]> qv(new vf16[size_t(hq) * C]);
+    std::unique_ptr<V[]> qv(new V[size_t(hq) * C]);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t len = sp[i];
       const int64_t k0 = std::min(len, (task - first[i]) * chunk), k1 = std::min(len, k0 + chunk);
       for (int hd = 0; hd < hq; ++hd) {
         const float f = float(scale) * (ks ? ks[hd / G] : 1.f);  // the K scale folds into q
-        for (int c = 0; c < C; ++c) qv[hd * C + c] = load16(qp + (i * hq + hd) * D + c * L, nullptr) * f;
+        for (int c = 0; c < C; ++c) qv[hd * C + c] = loadw(qp + (i * hq + hd) * D + c * L, nullptr) * f;
       }
       Partial* p = &parts[task * hkv];
       const int64_t* blocks = ip + i * nblk;
       switch (C) {  // head dims 64 and 128 unrolled
-        case 4: attend<4, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;
-        case 8: attend<8, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;
+        case 64 / L: attend<64 / L, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;
+        case 128 / L: attend<128 / L, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;
         default: attend<0, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p);
       }
     }
   });
   // Merge the runs of each (sequence, head) by log-sum-exp; no keys -> zeros.
   at::parallel_for(0, int64_t(b) * hkv, 1, [&](int64_t lo, int64_t hi) {
-    vf16 o[kMaxC];
+    V o[kMaxC];
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t i = bh / hkv, h = bh % hkv;
       const Partial* ps = &parts[first[i] * hkv + h];  // run j at ps[j * hkv]
@@ -180,7 +186,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
       for (int g = 0; g < G; ++g) {
         float mx = -kInf, l = 0.f;
         for (int64_t j = 0; j < splits; ++j) mx = std::max(mx, ps[j * hkv].m[g]);
-        std::fill(o, o + C, splat(0.f));
+        std::fill(o, o + C, V{});
         for (int64_t j = 0; j < splits && mx > -kInf; ++j) {
           const Partial& pj = ps[j * hkv];
           if (pj.l[g] == 0.f) continue;  // a run with no keys
@@ -190,7 +196,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
         }
         const float r = l > 0.f ? (vs ? vs[h] : 1.f) / l : 0.f;
         alignas(64) float flat[kMaxC * L];
-        for (int cc = 0; cc < C; ++cc) std::memcpy(flat + cc * L, &o[cc], sizeof(vf16));
+        for (int cc = 0; cc < C; ++cc) std::memcpy(flat + cc * L, &o[cc], sizeof(V));
         for (int d = 0; d < D; ++d) flat[d] *= r;
         store(flat, op + (i * hq + h * G + g) * D, D);
       }
@@ -218,7 +224,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(3) == q.size(2) &&
                   q.size(1) % kc.size(2) == 0,
               "paged_decode: q [b, Hq, D], caches [num_blocks, block_size, Hkv, D] with Hq a multiple of Hkv");
-  TORCH_CHECK(q.size(2) % L == 0 && q.size(2) <= L * kMaxC && q.size(1) / kc.size(2) <= kMaxG,
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= L * kMaxC && q.size(1) / kc.size(2) <= kMaxG,
               "paged_decode: head_dim a multiple of 16 up to 256, GQA group <= 16");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == q.size(0) && seen.dim() == 1 && seen.size(0) == q.size(0) &&
                   ids.scalar_type() == at::kLong && seen.scalar_type() == at::kLong,

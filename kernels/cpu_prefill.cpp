@@ -56,25 +56,6 @@ void pack_v(const T* v, int64_t vs, int64_t n, int64_t rows, int D, float* out) 
     for (int d = 0; d < D; ++d) out[j * D + d] = j < n ? f32(v[j * vs + d]) : 0.f;
 }
 
-inline vfw loadw(const float* p) {
-  vfw v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// All lanes of v combined by op (a vector max or +), in log2(W) shuffle steps.
-template <typename Op>
-inline float fold(vfw v, Op op) {
-#if defined(__AVX512F__)
-  return reduce(v, op);
-#else
-  const viw r4 = {4, 5, 6, 7, 0, 1, 2, 3}, r2 = {2, 3, 0, 1, 6, 7, 4, 5}, r1 = {1, 0, 3, 2, 5, 4, 7, 6};
-  v = op(v, __builtin_shuffle(v, r4));
-  v = op(v, __builtin_shuffle(v, r2));
-  return op(v, __builtin_shuffle(v, r1))[0];
-#endif
-}
-
 // One tile of keys [k0, k0 + BK) for R rows: q [R][D] (scaled), lim [R] keys visible, state
 // m, l [R] and o [R][D] (unnormalized).
 template <int R>
@@ -87,7 +68,7 @@ void tile(const float* q, const int* lim, const float* kt, const float* vt, int 
       for (int c = 0; c < C; ++c) s[r][c] = vfw{};
     for (int d = 0; d < D; ++d) {
       vfw b[C];
-      for (int c = 0; c < C; ++c) b[c] = loadw(kt + d * BK + j0 + c * W);
+      for (int c = 0; c < C; ++c) b[c] = loadw(kt + d * BK + j0 + c * W, nullptr);
       for (int r = 0; r < R; ++r) {
         const vfw a = q[r * D + d] - vfw{};  // a broadcast (x + 0 would keep an add: -0 + 0 is +0)
         for (int c = 0; c < C; ++c) s[r][c] += a * b[c];
@@ -104,12 +85,12 @@ void tile(const float* q, const int* lim, const float* kt, const float* vt, int 
   for (int r = 0; r < R; ++r) {
     vfw mx = ninf, sv[BK / W];
     for (int c = 0; c < BK / W; ++c) {
-      sv[c] = loadw(&p[r][c * W]);
+      sv[c] = loadw(&p[r][c * W], nullptr);
       const int valid = lim[r] - k0 - c * W;  // keys of this vector the row sees
       if (valid < W) sv[c] = lane < valid ? sv[c] : ninf;
       mx = mx > sv[c] ? mx : sv[c];
     }
-    const float mn = std::max(m[r], fold(mx, [](vfw a, vfw b) { return a > b ? a : b; }));
+    const float mn = std::max(m[r], reduce_w(mx, [](vfw a, vfw b) { return a > b ? a : b; }));
     alpha[r] = mn == m[r] ? 1.f : std::exp(m[r] - mn);  // 0 at the first visible tile (m = -1e30)
     vfw sum{};
     for (int c = 0; c < BK / W; ++c) {
@@ -117,17 +98,17 @@ void tile(const float* q, const int* lim, const float* kt, const float* vt, int 
       sum += e;
       std::memcpy(&p[r][c * W], &e, sizeof e);
     }
-    l[r] = l[r] * alpha[r] + fold(sum, [](vfw a, vfw b) { return a + b; });
+    l[r] = l[r] * alpha[r] + reduce_w(sum, [](vfw a, vfw b) { return a + b; });
     m[r] = mn;
     top = std::max(top, std::min(BK, lim[r] - k0));
   }
   for (int d0 = 0; d0 < D; d0 += C * W) {  // C vectors of output columns at a time
     vfw acc[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = loadw(o + r * D + d0 + c * W) * alpha[r];
+      for (int c = 0; c < C; ++c) acc[r][c] = loadw(o + r * D + d0 + c * W, nullptr) * alpha[r];
     for (int j = 0; j < top; ++j) {
       vfw b[C];
-      for (int c = 0; c < C; ++c) b[c] = loadw(vt + j * D + d0 + c * W);
+      for (int c = 0; c < C; ++c) b[c] = loadw(vt + j * D + d0 + c * W, nullptr);
       for (int r = 0; r < R; ++r) {
         const vfw a = p[r][j] - vfw{};
         for (int c = 0; c < C; ++c) acc[r][c] += a * b[c];
