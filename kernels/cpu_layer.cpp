@@ -15,22 +15,23 @@
 
 namespace {
 
-using tierkv_vec::L;
-using tierkv_vec::load16;
-using tierkv_vec::vf16;
-using tierkv_vec::vi16;
-using tierkv_vec::vu16;
+// Vectors of one register (16 floats on AVX-512, 8 on AVX2).
+constexpr int L = tierkv_vec::W;
+using tierkv_vec::loadw;
+using V = tierkv_vec::vfw;
+using VI = tierkv_vec::viw;
+using VU = tierkv_vec::vuw;
 
-// 16 floats rounded to T and back (bf16: to nearest even, NaN kept), and stored as T.
-inline vf16 round_to(vf16 v, const float*) { return v; }
-inline vf16 round_to(vf16 v, const at::BFloat16*) {
-  const vi16 b = (vi16)v;
-  const vi16 r = (b + 0x7FFF + ((b >> 16) & 1)) & int32_t(0xFFFF0000);
-  return v != v ? v : (vf16)r;
+// L floats rounded to T and back (bf16: to nearest even, NaN kept), and stored as T.
+inline V round_to(V v, const float*) { return v; }
+inline V round_to(V v, const at::BFloat16*) {
+  const VI b = (VI)v;
+  const VI r = (b + 0x7FFF + ((b >> 16) & 1)) & int32_t(0xFFFF0000);
+  return v != v ? v : (V)r;
 }
-inline void store16(vf16 v, float* p) { std::memcpy(p, &v, sizeof v); }
-inline void store16(vf16 v, at::BFloat16* p) {
-  const vu16 h = __builtin_convertvector((vi16)round_to(v, p) >> 16, vu16);
+inline void storew(V v, float* p) { std::memcpy(p, &v, sizeof v); }
+inline void storew(V v, at::BFloat16* p) {
+  const VU h = __builtin_convertvector((VI)round_to(v, p) >> 16, VU);
   std::memcpy(p, &h, sizeof h);
 }
 template <typename T>
@@ -41,17 +42,17 @@ void norm_rows(const T* x, int64_t sx, const T* w, T* out, int64_t n0, int64_t n
   const int64_t dv = d / L * L;
   for (int64_t n = n0; n < n1; ++n) {
     const T* xr = x + n * sx;
-    vf16 acc = tierkv_vec::splat(0.f);
+    V acc = V{};
     for (int64_t i = 0; i < dv; i += L) {
-      const vf16 f = load16(xr + i, nullptr);
+      const V f = loadw(xr + i, nullptr);
       acc += f * f;
     }
-    float sum = tierkv_vec::reduce(acc, [](vf16 a, vf16 b) { return a + b; });
+    float sum = tierkv_vec::reduce_w(acc, [](V a, V b) { return a + b; });
     for (int64_t i = dv; i < d; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
     const float r = 1.f / std::sqrt(sum / float(d) + eps);
     T* o = out + n * d;
     for (int64_t i = 0; i < dv; i += L)
-      store16(load16(w + i, nullptr) * round_to(load16(xr + i, nullptr) * r, xr), o + i);
+      storew(loadw(w + i, nullptr) * round_to(loadw(xr + i, nullptr) * r, xr), o + i);
     for (int64_t i = dv; i < d; ++i) o[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(xr[i]) * r));
   }
 }
@@ -82,8 +83,8 @@ void silu_mul_rows(const T* x, int64_t sx, T* out, int64_t n0, int64_t n1, int64
     const T* u = g + h;
     T* o = out + n * h;
     for (int64_t i = 0; i < hv; i += L) {
-      const vf16 gv = load16(g + i, nullptr);
-      store16(round_to(gv / (tierkv_vec::vexp(-gv) + 1.f), g) * load16(u + i, nullptr), o + i);
+      const V gv = loadw(g + i, nullptr);
+      storew(round_to(gv / (tierkv_vec::vexp_n<V, VI>(-gv) + 1.f), g) * loadw(u + i, nullptr), o + i);
     }
     for (int64_t i = hv; i < h; ++i) {
       const float gi = static_cast<float>(g[i]);
