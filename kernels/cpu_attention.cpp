@@ -90,7 +90,7 @@ void attend_tile(const V* q, int G, int C_, const T* k, const T* v, const T* k_n
     if (!FULL) s = lane < n ? s : (V{} - kInf);
     const float mx = std::max(p.m[g], reduce_w(s, [](V a, V b) { return a > b ? a : b; }));
     alignas(64) float w[L];
-    const V e = vexp_n<V, viw>(s - mx);
+    const V e = vexp(s - mx);
     std::memcpy(w, &e, sizeof e);
     const float corr = std::exp(p.m[g] - mx);  // the first tile: exp(-inf) = 0
     p.l[g] = p.l[g] * corr + reduce_w(e, [](V a, V b) { return a + b; });

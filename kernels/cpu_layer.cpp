@@ -84,7 +84,7 @@ void silu_mul_rows(const T* x, int64_t sx, T* out, int64_t n0, int64_t n1, int64
     T* o = out + n * h;
     for (int64_t i = 0; i < hv; i += L) {
       const V gv = loadw(g + i, nullptr);
-      storew(round_to(gv / (tierkv_vec::vexp_n<V, VI>(-gv) + 1.f), g) * loadw(u + i, nullptr), o + i);
+      storew(round_to(gv / (tierkv_vec::vexp(-gv) + 1.f), g) * loadw(u + i, nullptr), o + i);
     }
     for (int64_t i = hv; i < h; ++i) {
       const float gi = static_cast<float>(g[i]);

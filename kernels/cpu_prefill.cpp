@@ -94,7 +94,7 @@ void tile(const float* q, const int* lim, const float* kt, const float* vt, int 
     alpha[r] = mn == m[r] ? 1.f : std::exp(m[r] - mn);  // 0 at the first visible tile (m = -1e30)
     vfw sum{};
     for (int c = 0; c < BK / W; ++c) {
-      const vfw e = vexp_n<vfw, viw>(sv[c] - mn);  // masked lanes: exactly 0
+      const vfw e = vexp(sv[c] - mn);  // masked lanes: exactly 0
       sum += e;
       std::memcpy(&p[r][c * W], &e, sizeof e);
     }

@@ -1,6 +1,6 @@
-// Vectors of 16 floats for the CPU kernels (GCC vector extensions: one AVX-512 register,
-// two AVX2 ones on older CPUs): loads that widen cache rows to fp32, exp, and the shuffle
-// reductions. Included by cpu_attention.cpp and cpu_layer.cpp.
+// Vectors of one register for the CPU kernels (GCC vector extensions: W = 16 floats on
+// AVX-512, 8 on AVX2; GCC splits a wider vector into halves that it spills): loads that widen
+// cache rows to fp32, exp, and the shuffle reductions. Included by the cpu_*.cpp kernels.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,45 +11,14 @@
 
 namespace tierkv_vec {
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-
-constexpr int L = 16;          // lanes: floats per vector, tokens per tile
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-inline vf16 splat(float x) { return vf16{} + x; }
-
-// 16 elements of a cache row or of q as fp32 (unaligned loads).
-inline vf16 load16(const float* p, const float*) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf16 load16(const at::BFloat16* p, const float*) {  // bf16 is the top half of an fp32
-  vu16 u;
-  std::memcpy(&u, p, sizeof u);
-  return (vf16)(__builtin_convertvector(u, vi16) << 16);
-}
-inline vf16 load16(const at::Half* p, const float*) {
-  vf16 v;
-  for (int i = 0; i < L; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-// fp8 e4m3 as raw bytes: a 256-entry table made by torch itself, so the decoding is exact.
-inline vf16 load16(const uint8_t* p, const float* lut) {
-  vf16 v;
-  for (int i = 0; i < L; ++i) v[i] = lut[p[i]];
-  return v;
-}
 
 template <typename T>
 inline void store(const float* s, T* d, int n) {
   for (int i = 0; i < n; ++i) d[i] = static_cast<T>(s[i]);
 }
 
-// The widest vector of floats the target does in one register: prefill attention's
-// register blocks use it (GCC splits a vf16 on AVX2 into halves that it often spills).
+// The widest vector of floats the target does in one register.
 #if defined(__AVX512F__)
 constexpr int W = 16;
 #else
@@ -120,56 +89,21 @@ __attribute__((always_inline)) inline vfw sum_rows_w(vfw* x) {
 }
 
 // exp of a vector: Cephes' expf polynomial (about 1 ulp); exactly 0 below -87 (masked lanes).
-template <typename V, typename VI>
-inline V vexp_n(V x) {
-  const V lo = V{} - 87.f, hi = V{} + 88.f;
-  V xc = x < lo ? lo : x;
+inline vfw vexp(vfw x) {
+  const vfw lo = vfw{} - 87.f, hi = vfw{} + 88.f;
+  vfw xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  const V n = (xc * 1.44269504089f + 12582912.f) - 12582912.f;  // round to nearest
-  const V r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
+  const vfw n = (xc * 1.44269504089f + 12582912.f) - 12582912.f;  // round to nearest
+  const vfw r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vfw p = vfw{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
-  return x < lo ? V{} : p * (V)e;
-}
-inline vf16 vexp(vf16 x) { return vexp_n<vf16, vi16>(x); }
-
-// x[t] holds 16 partial products of token t's score; lane t of the result is their sum.
-// Four shuffle-add stages, each halving the vectors and the lanes per token.
-__attribute__((always_inline)) inline vf16 sum_rows(vf16* x) {
-  const vi16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vi16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const vi16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const vi16 b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const vi16 a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const vi16 b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const vi16 a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const vi16 b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  const vi16* masks[4][2] = {{&a1, &b1}, {&a2, &b2}, {&a3, &b3}, {&a4, &b4}};
-  for (int stage = 0, n = L; stage < 4; ++stage, n /= 2)
-    for (int j = 0; j < n / 2; ++j)
-      x[j] = __builtin_shuffle(x[2 * j], x[2 * j + 1], *masks[stage][0]) +
-             __builtin_shuffle(x[2 * j], x[2 * j + 1], *masks[stage][1]);
-  return x[0];
-}
-
-// All 16 lanes of v combined by op (max or +) in four shuffle steps.
-template <typename Op>
-inline float reduce(vf16 v, Op op) {
-  const vi16 r8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const vi16 r4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const vi16 r2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const vi16 r1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  v = op(v, __builtin_shuffle(v, r8));
-  v = op(v, __builtin_shuffle(v, r4));
-  v = op(v, __builtin_shuffle(v, r2));
-  v = op(v, __builtin_shuffle(v, r1));
-  return v[0];
+  const viw e = (__builtin_convertvector(n, viw) + 127) << 23;
+  return x < lo ? vfw{} : p * (vfw)e;
 }
 
 }  // namespace tierkv_vec
