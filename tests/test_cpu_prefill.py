@@ -150,6 +150,7 @@ def test_engine_widened_matmuls_agree_with_bf16(tmp_path):
     model = wide.runner.model
     assert model.lm_head.weight.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert model.lm_head.weight.t().is_contiguous()  # stored column-major
     narrow = LLM(tmp_path, dtype="bf16", matmul_dtype="model", kv_cache_bytes=1 << 24)
     assert narrow.runner.model.lm_head.weight.dtype == torch.bfloat16
     a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (wide, narrow))
