@@ -1,6 +1,7 @@
-"""The engine's C++ CPU kernels, built on first use with torch's extension builder: decode
-attention (cpu_attention.cpp) that reads K and V in place from the paged cache, and RoPE in
-one pass and the KV write (cpu_ops.cpp; RoPE bit-identical to the torch expression in rope.py).
+"""The engine's C++ CPU kernels, built on first use with torch's extension builder into one
+library: decode attention (cpu_attention.cpp) that reads K and V in place from the paged
+cache, prefill attention (cpu_prefill.cpp), RoPE in one pass and the KV write (cpu_ops.cpp;
+RoPE bit-identical to the torch expression in rope.py), RMSNorm and SiLU-and-mul (cpu_layer.cpp).
 
 The torch reference gathers every decode sequence's blocks into scratch before SDPA reads
 them, so it moves the KV three times; the decode kernel reads it once. Where the library
@@ -22,7 +23,7 @@ from kernels.fp8 import FP8, is_fp8
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-HEADER = SOURCE.with_name("cpu_vec.h")  # included by SOURCE
+HEADER = SOURCE.with_name("cpu_vec.h")  # included by the .cpp files
 OPS = SOURCE.with_name("cpu_ops.cpp")  # built into the same library: torch.ops.tierkv.rope, .write_kv
 LAYER = SOURCE.with_name("cpu_layer.cpp")  # and torch.ops.tierkv.rms_norm, .silu_mul
 PREFILL = SOURCE.with_name("cpu_prefill.cpp")  # and torch.ops.tierkv.prefill_attention
@@ -34,14 +35,20 @@ def enabled() -> bool:
     return os.environ.get("TIERKV_CPU_KERNEL", "1") != "0"
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
 def _build_dir() -> Path:
     """One build per source, torch version and CPU: -march=native code must not run on
     another CPU (a cached build from a different host could hit an illegal instruction)."""
-    flags = ""
-    try:
-        flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
+    flags = " ".join(sorted(cpu_flags()))
     code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER, PREFILL))
     tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
@@ -57,7 +64,8 @@ _LOCK = threading.Lock()
 def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
-        build(name="tierkv_cpu", sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL)], build_directory=str(_build_dir()),
+        build(name="tierkv_cpu", sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL)],
+              build_directory=str(_build_dir()),
               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works
@@ -115,7 +123,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return torch.ops.tierkv.paged_decode(q.contiguous(), kc, vc, ids, seen, scale,
                                          k_scale if fp8 else None, v_scale if fp8 else None,
                                          _fp8_table() if fp8 else None, CHUNK_KEYS)
-
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

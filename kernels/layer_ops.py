@@ -1,13 +1,11 @@
 """The model's per-layer ops: RMSNorm, SiLU-and-multiply, and the linear layers' dtype choice.
 
-On a CPU each is one C++ pass (cpu_ops.cpp) where torch runs 4-7 ops over the whole batch;
-elsewhere, or with the library off, the torch references below run. The references are
+On a CPU RMSNorm and SiLU-and-multiply are one C++ pass each (cpu_layer.cpp) where torch
+runs 4-7 ops over the whole batch; elsewhere, or with the library off, the torch references
+below run. The references are
 Hugging Face's expressions, which the C++ ops follow within fp32 rounding.
 """
 from __future__ import annotations
-
-import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,15 +47,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_mul_ref(x)
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return frozenset()
-    return frozenset(line.split(":", 1)[1].split())
-
-
 def native_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether torch's GEMM runs `dtype` at full speed on `device`: fp32 and any GPU always; bf16
     and fp16 on a CPU only with AVX512-BF16 / AVX512-FP16 or AMX, which oneDNN's kernels need.
@@ -65,7 +54,7 @@ def native_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return True
     want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}[dtype]
-    return any(f in _cpu_flags() for f in want)
+    return any(f in cpu.cpu_flags() for f in want)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -205,7 +205,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan.dec_rows is not None:
         out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale,
                                       cpu_kernel)
-    kernel = cpu_kernel and k_cache.dtype == q.dtype and cpu.prefill_usable(q, k_cache[0], v_cache[0])
+    kernel = cpu_kernel and cpu.prefill_usable(q, k_cache[0], v_cache[0])  # also: the cache in q's dtype
     for b, s, e, t, chunks in plan.prefills:
         if kernel:  # whole blocks gathered token-major, then the C++ kernel
             ids = block_tables[b, :-(-t // k_cache.shape[1])].long()

@@ -123,9 +123,8 @@ def test_engine_with_prefill_kernel_matches_hf(tmp_path, monkeypatch):
 
 
 def test_native_matmul_follows_cpu_flags():
-    from kernels.layer_ops import _cpu_flags
     assert native_matmul(torch.float32, torch.device("cpu"))
-    assert native_matmul(torch.bfloat16, torch.device("cpu")) == bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    assert native_matmul(torch.bfloat16, torch.device("cpu")) == bool({"avx512_bf16", "amx_bf16"} & cpu.cpu_flags())
     assert native_matmul(torch.bfloat16, torch.device("cuda"))
 
 
