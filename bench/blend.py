@@ -23,6 +23,17 @@ from engine.config import RANDOM_CONFIGS
 RATIOS = [0.0, 0.05, 0.15, 0.3, 0.5, 1.0]
 
 
+CHECK_LAYER = 1  # the engine's default blend_check_layer
+
+
+def qkv_share(model: dict) -> float:
+    """The q/k/v projection's share of a layer's linear-layer FLOPs: the part of the check layer
+    that runs on every row."""
+    h, d = model["hidden_size"], model["hidden_size"] // model["num_attention_heads"]
+    qkv = h * (model["num_attention_heads"] + 2 * model["num_key_value_heads"]) * d
+    return qkv / (qkv + model["num_attention_heads"] * d * h + 3 * h * model["intermediate_size"])
+
+
 def cfg(layers: int) -> dict:
     return dict(RANDOM_CONFIGS["bench"], num_hidden_layers=layers, max_position_embeddings=8192)
 
@@ -78,7 +89,7 @@ def ttft_rows(layers: int, queries: int, docs: list[list[int]], question: list[i
         recomputed.append((out.metrics.blend["recomputed"] + out.metrics.blend["computed"]) / len(flat))
         bar.update()
     conn.close()
-    f = 2 / layers  # layers 0 and 1 run in full (blend_check_layer = 1)
+    f = (CHECK_LAYER + qkv_share(model)) / layers  # layer 0 in full, then the check layer's K/V for every row
     limit = 1 / (f + (1 - f) * 0.15)
     base = statistics.median(times["full prefill"])
     rows = []
@@ -166,7 +177,8 @@ def main() -> None:
         ax.legend()
 
     write_results("blend", {"docs": 6, "doc_tokens": 512, "question_tokens": 32, "queries": queries,
-                            "check_layer": 1, "model": "bench bf16"}, rows + dev, goals, plot)
+                            "check_layer": CHECK_LAYER, "model": "bench bf16",
+                            "limit_full_share": f"(check_layer + {qkv_share(cfg(8)):.4f}) / layers"}, rows + dev, goals, plot)
 
 
 if __name__ == "__main__":

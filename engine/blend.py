@@ -4,10 +4,12 @@ A blend prefill is one step holding one sequence, its whole prompt after any cac
 (a declared shared prefix found in the prefix cache or loaded exactly), whatever the per-step
 token budget. The connector has scattered each reusable segment's cached KV into the
 sequence's blocks, re-rotated to its position here. Then:
-- layers 0..check_layer run in full on every token (fresh KV overwrites the cached KV);
-- at check_layer, before its KV is written, each loaded context token is ranked by the
-  squared L2 distance between its fresh and cached K (or V); the top `ratio` of them are
-  kept, together with every token that was not loaded (the question, missed segments);
+- layers 0..check_layer-1 run in full on every token (fresh KV overwrites the cached KV);
+- at check_layer every token's fresh K/V is computed and, before it is written, each loaded
+  context token is ranked by the squared L2 distance between its fresh and cached K (or V);
+  the top `ratio` of them are kept, with every token that was not loaded (the question,
+  missed segments); the fresh K/V of all rows is written, and the layer's attention and MLP
+  run for the kept rows only (nothing later reads the others' hidden states);
 - layers after check_layer run only the kept rows, whose queries attend over all keys (the
   cached KV of the dropped rows, the fresh KV of the kept ones) and whose KV replaces the cache.
 ratio 1.0 keeps every row (exactly a full prefill); ratio 0.0 drops the loaded rows before
@@ -59,7 +61,7 @@ def join_segments(prompt: list[Segment], encode: Callable[[str], list[int]]
 @dataclass(slots=True)
 class BlendParams:
     ratio: float  # share of loaded context tokens recomputed after the check layer
-    check_layer: int  # last layer run in full; deviation is measured at its KV
+    check_layer: int  # layers before it run in full; deviation is measured at its fresh KV
     metric: str = "k"  # "k" or "v": which fresh-vs-cached distance ranks the tokens
 
     def __post_init__(self) -> None:
@@ -77,7 +79,7 @@ class BlendReport:
     loaded: int = 0  # context tokens whose cached KV was used
     recomputed: int = 0  # of those, recomputed after the check layer
     computed: int = 0  # tokens run through every layer (question, missed segments)
-    full_layers: int = 0  # layers run on every token
+    full_layers: int = 0  # layers run in full on every token (the check layer's K/V excluded)
     deviation: list[float] = field(default_factory=list)  # not kept: empty unless asked for
 
     def as_dict(self) -> dict:
@@ -115,48 +117,60 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
     kv_dtype = runner.kv_caches[0].dtype
     keep = torch.nonzero(~cand).flatten()  # rows that reach the last layer
 
-    def subset_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The kept rows' queries q over the paged cache (every key of the prompt)."""
         cache = runner.kv_caches[layer]
         ks, vs = runner.layer_scales(layer)
-        conn.wait_for_layer_load(layer)
-        write_kv(k, v, cache[0], cache[1], ctx.slot_mapping[keep], ks, vs)
         cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
         return paged_attention(q, cache[0], cache[1], ctx.all.block_tables, ctx.all.seq_lens, cu,
                                ctx.positions[keep].to(torch.int32), runner.scale, ks, vs,
                                max_seqlen_q=q.shape[0], max_seqlen_k=ctx.all.max_seqlen_k)
 
-    def check_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        nonlocal keep
-        if layer == params.check_layer:  # rank loaded rows by how far the cache is from fresh
-            conn.wait_for_layer_load(layer)
-            cache, which = runner.kv_caches[layer], 0 if params.metric == "k" else 1
-            flat = cache[which].view(-1, *cache.shape[3:])
-            slots = ctx.slot_mapping[:n][cand]
-            if kv_dtype.itemsize == 1:  # fp8: index its bytes, compare in real units
-                cached = flat.view(torch.uint8).index_select(0, slots).view(kv_dtype).float()
-                cached = cached * runner.layer_scales(layer)[which].view(-1, 1)
-            else:
-                cached = flat.index_select(0, slots)
-            picked = torch.nonzero(cand).flatten()[select((k if which == 0 else v)[:n][cand], cached, params.ratio)]
-            mask = ~cand
-            mask[picked] = True
-            keep = torch.nonzero(mask).flatten()
-            report.recomputed = int(picked.numel())
-        return runner.attend(layer, q, k, v)
+    def subset_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = runner.kv_caches[layer]
+        ks, vs = runner.layer_scales(layer)
+        conn.wait_for_layer_load(layer)
+        write_kv(k, v, cache[0], cache[1], ctx.slot_mapping[keep], ks, vs)
+        return attention(layer, q)
+
+    def rank(layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The rows kept from layer on: the loaded rows whose cached K (or V) is farthest from
+        the fresh one, and every row that was not loaded. Reads the cache before it is written."""
+        conn.wait_for_layer_load(layer)
+        cache, which = runner.kv_caches[layer], 0 if params.metric == "k" else 1
+        flat = cache[which].view(-1, *cache.shape[3:])
+        slots = ctx.slot_mapping[:n][cand]
+        if kv_dtype.itemsize == 1:  # fp8: index its bytes, compare in real units
+            cached = flat.view(torch.uint8).index_select(0, slots).view(kv_dtype).float()
+            cached = cached * runner.layer_scales(layer)[which].view(-1, 1)
+        else:
+            cached = flat.index_select(0, slots)
+        picked = torch.nonzero(cand).flatten()[select((k if which == 0 else v)[:n][cand], cached, params.ratio)]
+        mask = ~cand
+        mask[picked] = True
+        report.recomputed = int(picked.numel())
+        return torch.nonzero(mask).flatten()
 
     if params.ratio == 0.0:  # plain concatenation of the cached KV: only the rest is computed
         h, first = model.embed_tokens(ctx.input_ids[keep]), 0
     else:
         h = model.embed_tokens(ctx.input_ids)
-        last = min(params.check_layer, len(model.layers) - 1)
-        for i in range(last + 1):
-            h = model.layers[i](i, h, ctx.positions, check_attend)
-        report.full_layers, first = last + 1, last + 1
+        c = min(params.check_layer, len(model.layers) - 1)
+        for i in range(c):
+            h = model.layers[i](i, h, ctx.positions, runner.attend)
+        # The check layer: fresh K/V of every row (they are exact: every layer before ran in
+        # full), but attention and MLP only for the kept rows, the only ones read later on.
+        layer = model.layers[c]
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), ctx.positions)
+        keep = rank(c, k, v)
+        report.full_layers, first = c, c + 1
         if keep.numel() == n:  # everything kept: the rest is an ordinary prefill
+            h = layer.finish(h, runner.attend(c, q, k, v))
             for i in range(first, len(model.layers)):
                 h = model.layers[i](i, h, ctx.positions, runner.attend)
             return h
-        h = h[keep]
+        runner.store(c, k, v)
+        h = layer.finish(h[keep], attention(c, q[keep]))
     for i in range(first, len(model.layers)):
         h = model.layers[i](i, h, ctx.positions[keep], subset_attend)
     ctx.logits_indices = torch.tensor([h.shape[0] - 1], device=h.device)

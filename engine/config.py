@@ -97,7 +97,7 @@ class EngineConfig:
     # and erratic without it here). Process-wide; the heap stays at its peak size.
     retain_host_memory: bool = True
     blend_ratio: float = 0.15  # CacheBlend: share of reused segment tokens recomputed after the check layer
-    blend_check_layer: int = 1  # CacheBlend: layers 0..this run in full; deviation ranked at this one
+    blend_check_layer: int = 1  # CacheBlend: layers before it run in full; rows ranked by its K/V deviation
     blend_metric: str = "k"  # CacheBlend: rank by fresh-vs-cached distance of "k" or "v"
 
     def __post_init__(self) -> None:

@@ -46,12 +46,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rope = rope
 
-    def forward(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        n = h.shape[0]
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, Hq, D], k and v [N, Hkv, D] of normed rows x, q and k rotated to their positions."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = x.shape[0]
         q, k = self.rope.apply(q.view(n, self.hq, self.d), k.view(n, self.hkv, self.d), positions)
-        out = attend(layer, q, k, v.reshape(n, self.hkv, self.d))
-        return self.o_proj(out.reshape(n, self.q_size))
+        return q, k, v.reshape(n, self.hkv, self.d)
 
 
 class MLP(nn.Module):
@@ -73,7 +73,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        h = h + self.self_attn(layer, self.input_layernorm(h), positions, attend)
+        q, k, v = self.self_attn.qkv(self.input_layernorm(h), positions)
+        return self.finish(h, attend(layer, q, k, v))
+
+    def finish(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: out projection, residual, MLP. h [M, hidden] are the rows
+        whose attention output out [M, Hq, D] is (CacheBlend's check layer finishes a subset)."""
+        h = h + self.self_attn.o_proj(out.reshape(h.shape[0], -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

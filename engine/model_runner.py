@@ -179,16 +179,24 @@ class ModelRunner:
         """(k_scale, v_scale) of layer's fp8 cache, or (None, None)."""
         return (self.kv_scales[layer, 0], self.kv_scales[layer, 1]) if self.kv_dtype == FP8 else (None, None)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Write the step's K/V of layer into the cache (after that layer's load landed) and hand
+        it to the connector's saves; returns the layer's fp8 scales (or Nones)."""
         ctx, cache = self.ctx, self.kv_caches[layer]
         n = ctx.num_tokens
         if not self.calibrated:
             self.kv_scales[layer, 0] = fp8_scales(k[:n]) * FP8_HEADROOM
             self.kv_scales[layer, 1] = fp8_scales(v[:n]) * FP8_HEADROOM
-        ks, vs = (self.kv_scales[layer, 0], self.kv_scales[layer, 1]) if self.kv_dtype == FP8 else (None, None)
+        ks, vs = self.layer_scales(layer)
         self.connector.wait_for_layer_load(layer)
         write_kv(k, v, cache[0], cache[1], ctx.slot_mapping, ks, vs)
         self.connector.save_kv_layer(layer, cache, ctx)
+        return ks, vs
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx, cache = self.ctx, self.kv_caches[layer]
+        n = ctx.num_tokens
+        ks, vs = self.store(layer, k, v)
         out = torch.zeros_like(q)
         kernel = bool(ctx.fresh) and cpu.prefill_usable(q, k, v)
         for s, e in ctx.fresh:

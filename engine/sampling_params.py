@@ -16,7 +16,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # parallel samples sharing the prompt's KV blocks (copy-on-write)
     blend_ratio: float | None = None  # segment prompts: share of reused tokens recomputed (None: engine's)
-    blend_check_layer: int | None = None  # segment prompts: last layer run in full (None: engine's)
+    blend_check_layer: int | None = None  # segment prompts: the layer whose deviation ranks rows (None: engine's)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
