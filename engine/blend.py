@@ -18,7 +18,7 @@ layer 0 (exactly the concatenation of the re-rotated cached KV, nothing recomput
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -80,7 +80,6 @@ class BlendReport:
     recomputed: int = 0  # of those, recomputed after the check layer
     computed: int = 0  # tokens run through every layer (question, missed segments)
     full_layers: int = 0  # layers run in full on every token (the check layer's K/V excluded)
-    deviation: list[float] = field(default_factory=list)  # not kept: empty unless asked for
 
     def as_dict(self) -> dict:
         return {"loaded": self.loaded, "recomputed": self.recomputed, "computed": self.computed,

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from engine import SamplingParams
+from connector import ConnectorConfig, TierKVConnector
+from engine import LLM, SamplingParams, blend
 from tests.test_blend import DOCS, QUESTION, ckpt, conn, engine, first_logits, prompt  # noqa: F401
 
 
@@ -97,3 +98,39 @@ def test_blend_matches_dense_reference(ckpt, conn, ratio: float, check: int) -> 
     assert metrics.blend == {"loaded": sum(map(len, DOCS)), "recomputed": m, "computed": len(QUESTION),
                              "full_layers": check}
     torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:  # noqa: F811
+    """With an fp8 KV cache the check layer compares fresh K to the dequantized cached K: it
+    picks mostly the rows the fp32 cache picks; ratio 1.0 gives the same engine's full-prefill
+    logits, 0.15 recomputes its share and deviates less than 0.0."""
+    path, _ = ckpt
+    picked: list[set[int]] = []
+    inner = blend.select
+
+    def select(fresh, cached, ratio):  # observes the ranking, changes nothing
+        idx = inner(fresh, cached, ratio)
+        picked.append(set(idx.tolist()))
+        return idx
+
+    monkeypatch.setattr(blend, "select", select)
+    order, loaded = [1, 0, 2], sum(map(len, DOCS))
+    p15 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.15)
+    first_logits(engine(path, conn), prompt(order), p15)
+    fp8_conn = TierKVConnector(ConnectorConfig(chunk_size=64, cpu_bytes="32MiB"))
+    try:
+        llm = LLM(str(path), dtype="float32", kv_cache_bytes=16 << 20, enable_prefix_caching=False,
+                  kv_cache_dtype="fp8", kv_connector=fp8_conn)
+        ref, _, _ = first_logits(llm, sum((DOCS[i] for i in order), []) + QUESTION, SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True))
+        kl = {}
+        for r in (0.15, 1.0, 0.0):
+            got, _, m = first_logits(llm, prompt(order), SamplingParams(max_tokens=1, temperature=0.0,
+                                                                        ignore_eos=True, blend_ratio=r))
+            assert m.blend["loaded"] == loaded and m.blend["recomputed"] == math.ceil(r * loaded - 1e-9)
+            kl[r] = float(torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                                     reduction="sum"))
+    finally:
+        fp8_conn.close()
+    assert len(picked[1] & picked[0]) >= 0.8 * len(picked[0]), (len(picked[1] & picked[0]), len(picked[0]))
+    assert kl[1.0] < 1e-6 and kl[0.15] < kl[0.0], kl
