@@ -30,10 +30,12 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight may be wider than its input (see LlamaForCausalLM.widen_matmuls)."""
+    """nn.Linear whose weight may be wider than its input (see LlamaForCausalLM.widen_matmuls),
+    then with the model-dtype weight kept as `narrow` for steps of few rows."""
+    narrow: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.narrow)
 
 
 class Attention(nn.Module):
@@ -112,11 +114,16 @@ class LlamaForCausalLM(nn.Module):
     def widen_matmuls(self, dtype: torch.dtype) -> None:
         """Keep every linear layer's weights in `dtype` (fp32 for a bf16 model on a CPU whose
         torch GEMM has no native bf16): activations stay in the model dtype, each product is
-        computed in `dtype` and rounded back. A tied lm_head gets its own widened copy."""
+        computed in `dtype` and rounded back. A tied lm_head gets its own widened copy. The bf16
+        weights stay too, as each Linear's `narrow`, for steps of few rows (layer_ops.GEMV_ROWS):
+        the weights then take the bf16 bytes plus the widened copy's."""
         if self.lm_head.weight is self.embed_tokens.weight:
             self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().to(dtype), requires_grad=False)
+            self.lm_head.narrow = self.embed_tokens.weight.detach()  # shared with the embedding
         for m in self.modules():
             if isinstance(m, Linear):  # column-major: the GEMM reads it untransposed (M=1: -15-20%)
+                if m.narrow is None and m.weight.dtype == torch.bfloat16:
+                    m.narrow = m.weight.detach().contiguous()
                 m.weight.data = m.weight.data.to(dtype).t().contiguous().t()
                 if m.bias is not None:
                     m.bias.data = m.bias.data.to(dtype)

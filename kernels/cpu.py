@@ -27,6 +27,7 @@ HEADER = SOURCE.with_name("cpu_vec.h")  # included by the .cpp files
 OPS = SOURCE.with_name("cpu_ops.cpp")  # built into the same library: torch.ops.tierkv.rope, .write_kv
 LAYER = SOURCE.with_name("cpu_layer.cpp")  # and torch.ops.tierkv.rms_norm, .silu_mul
 PREFILL = SOURCE.with_name("cpu_prefill.cpp")  # and torch.ops.tierkv.prefill_attention
+GEMV = SOURCE.with_name("cpu_gemv.cpp")  # and torch.ops.tierkv.gemv_bf16
 CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 
 
@@ -49,7 +50,7 @@ def _build_dir() -> Path:
     """One build per source, torch version and CPU: -march=native code must not run on
     another CPU (a cached build from a different host could hit an illegal instruction)."""
     flags = " ".join(sorted(cpu_flags()))
-    code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER, PREFILL))
+    code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER, PREFILL, GEMV))
     tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
     path = root / f"cpu-{tag}"
@@ -64,7 +65,7 @@ _LOCK = threading.Lock()
 def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
-        build(name="tierkv_cpu", sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL)],
+        build(name="tierkv_cpu", sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL, GEMV)],
               build_directory=str(_build_dir()),
               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

@@ -1,0 +1,84 @@
+// Few-row linear layers over bf16 weights for CPUs without a native bf16 GEMM
+// (torch.ops.tierkv.gemv_bf16; kernels/layer_ops.py dispatches to it). A decode step reads
+// every weight once for a handful of rows, so it is bound by memory: reading the bf16 weights
+// (2 bytes each) beats torch's fp32 GEMM over the widened copy (4 bytes each). Each product
+// is computed in fp32 (weights widened in registers, x as fp32) and rounded to x's dtype:
+// the math of a bf16 GEMM with fp32 accumulation, in another summation order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using namespace tierkv_vec;
+
+constexpr int NB = 4;  // weight rows per register block
+constexpr int MB = 2;  // x rows per register block: 4 x 2 accumulators fit AVX2's 16 registers
+
+// out[j][n + i] (j < R rows of x, i < C weight rows) = x[j] . w[n + i] (+ bias), K % W == 0.
+template <int C, int R>
+void block(const at::BFloat16* w, const float* x, int64_t K, const float* bias, int64_t n, float* out,
+           int64_t N) {
+  vfw acc[C][R];
+  for (int i = 0; i < C; ++i)
+    for (int j = 0; j < R; ++j) acc[i][j] = vfw{};
+  for (int64_t k = 0; k < K; k += W) {
+    vfw wv[C];
+    if (k % 32 == 0)  // one prefetch per cache line of the next block's rows, a few KB ahead
+      for (int i = 0; i < C; ++i) __builtin_prefetch(w + (n + i + C) * K + k);
+    for (int i = 0; i < C; ++i) wv[i] = loadw(w + (n + i) * K + k, nullptr);
+    for (int j = 0; j < R; ++j) {
+      const vfw xv = loadw(x + j * K + k, nullptr);
+      for (int i = 0; i < C; ++i) acc[i][j] += wv[i] * xv;
+    }
+  }
+  for (int i = 0; i < C; ++i)
+    for (int j = 0; j < R; ++j)
+      out[j * N + n + i] = reduce_w(acc[i][j], [](vfw a, vfw b) { return a + b; }) + (bias ? bias[n + i] : 0.f);
+}
+
+template <int C>
+void rows(const at::BFloat16* w, const float* x, int64_t M, int64_t K, const float* bias, int64_t n, float* out,
+          int64_t N) {
+  int64_t j = 0;
+  for (; j + MB <= M; j += MB) block<C, MB>(w, x + j * K, K, bias, n, out + j * N, N);
+  if (j < M) block<C, 1>(w, x + j * K, K, bias, n, out + j * N, N);
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "gemv_bf16: w must be contiguous bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gemv_bf16: x must be bf16 or fp32");
+  TORCH_CHECK(w.size(1) % W == 0, "gemv_bf16: K must be a multiple of ", W);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "gemv_bf16: bias must be [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor of = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return of.to(x.scalar_type());
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  const float* xp = xf.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* op = of.data_ptr<float>();
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) rows<NB>(wp, xp, M, K, bp, i * NB, op, N);
+  });
+  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(wp, xp, M, K, bp, n, op, N);
+  return x.scalar_type() == at::kFloat ? of : of.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tierkv, m) {
+  m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.impl("gemv_bf16", c10::DispatchKey::CPU, &gemv_bf16);
+}
