@@ -27,6 +27,7 @@ FULL = dict(rounds=3, requests=64, prompt=(128, 1024), output=(32, 256), hf_batc
             system=1024, user=(32, 128), shared_output=32, latency_prompt=256, latency_output=64)
 QUICK = dict(rounds=1, requests=12, prompt=(64, 256), output=(16, 48), hf_batch=6, shared_requests=8,
              system=512, user=(16, 64), shared_output=16, latency_prompt=128, latency_output=24)
+LATENCY_RUNS = 5  # alternating single-request decode runs of each system (medians reported)
 
 
 def bench_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16):
@@ -116,17 +117,21 @@ def main() -> None:
                          note=f"generated {hgen} (padding to the batch's longest)"))
         ratios.append(hdt / dt)
 
-    # single-request decode latency: the engine's decode time per token; HF's (t(L) - t(1)) / (L - 1)
+    # single-request decode latency: the engine's decode time per token; HF's (t(L) - t(1)) / (L - 1);
+    # LATENCY_RUNS alternating runs of each, medians (one run swings by 30% on a shared machine)
     p1, lo = workload(1, (c["latency_prompt"],) * 2, (1, 1), seed=5)[0], c["latency_output"]
     sp = SamplingParams(temperature=0.0, max_tokens=lo, ignore_eos=True)
-    e_ms = llm.generate(p1, sp, use_tqdm=False)[0].metrics.decode_time / (lo - 1) * 1e3
-    ids = torch.tensor(p1)
-    with torch.no_grad():
-        t = time.perf_counter(); hf.generate(ids, max_new_tokens=1, do_sample=False); h1 = time.perf_counter() - t
-        t = time.perf_counter(); hf.generate(ids, max_new_tokens=lo, min_new_tokens=lo, do_sample=False)
-        h_ms = (time.perf_counter() - t - h1) / (lo - 1) * 1e3
-    rows.append(dict(case="a:decode_latency", system="tierkv", ms_per_token=e_ms))
-    rows.append(dict(case="a:decode_latency", system="hf", ms_per_token=h_ms))
+    ids, e_runs, h_runs = torch.tensor(p1), [], []
+    for _ in range(LATENCY_RUNS):
+        e_runs.append(llm.generate(p1, sp, use_tqdm=False)[0].metrics.decode_time / (lo - 1) * 1e3)
+        with torch.no_grad():
+            t = time.perf_counter(); hf.generate(ids, max_new_tokens=1, do_sample=False); h1 = time.perf_counter() - t
+            t = time.perf_counter(); hf.generate(ids, max_new_tokens=lo, min_new_tokens=lo, do_sample=False)
+            h_runs.append((time.perf_counter() - t - h1) / (lo - 1) * 1e3)
+    rows.append(dict(case="a:decode_latency", system="tierkv", ms_per_token=statistics.median(e_runs),
+                     runs=", ".join(f"{x:.2f}" for x in e_runs)))
+    rows.append(dict(case="a:decode_latency", system="hf", ms_per_token=statistics.median(h_runs),
+                     runs=", ".join(f"{x:.2f}" for x in h_runs)))
 
     # (b) shared system prompt, prefix caching on vs off
     system = workload(1, (c["system"],) * 2, (1, 1), seed=7)[0][0]
