@@ -78,8 +78,11 @@ async def test_cluster_master_killed_fails_over() -> None:
     try:
         segs = [segment(i) for i in range(1, 31)]
         assert all([await tier.put(s.key, s) for s in segs])
-        for n in _masters(cluster):  # replication is asynchronous: wait until replicas have it all
-            subprocess.run(["redis-cli", "-p", str(n.port), "wait", "1", "2000"], check=True, capture_output=True)
+        for n in _masters(cluster):  # replication is asynchronous: wait until a replica has it all
+            deadline = time.monotonic() + 30  # (a replica still syncing, on a loaded machine, cannot take over)
+            while subprocess.run(["redis-cli", "-p", str(n.port), "wait", "1", "2000"], check=True,
+                                 capture_output=True, text=True).stdout.strip() != "1":
+                assert time.monotonic() < deadline, f"no replica of master {n.port} acknowledged the writes"
         victim = _masters(cluster)[0]
         victim.stop(kill=True)
         misses = 0
