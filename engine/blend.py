@@ -114,22 +114,28 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
     if not cand.any():  # nothing loaded: an ordinary prefill
         return model(ctx.input_ids, ctx.positions, runner.attend)
     kv_dtype = runner.kv_caches[0].dtype
-    keep = torch.nonzero(~cand).flatten()  # rows that reach the last layer
+
+    def kept(rows: torch.Tensor):
+        """rows (those that reach the last layer) with their positions, int32 positions, cache
+        slots and query offsets, indexed once for every layer that runs them."""
+        pos = ctx.positions[rows]
+        cu = torch.tensor([0, rows.numel()], dtype=torch.int32, device=rows.device)
+        return rows, pos, pos.to(torch.int32), ctx.slot_mapping[rows], cu
+
+    keep, pos, pos32, slots, cu = kept(torch.nonzero(~cand).flatten())
 
     def attention(layer: int, q: torch.Tensor) -> torch.Tensor:
         """The kept rows' queries q over the paged cache (every key of the prompt)."""
         cache = runner.kv_caches[layer]
         ks, vs = runner.layer_scales(layer)
-        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-        return paged_attention(q, cache[0], cache[1], ctx.all.block_tables, ctx.all.seq_lens, cu,
-                               ctx.positions[keep].to(torch.int32), runner.scale, ks, vs,
-                               max_seqlen_q=q.shape[0], max_seqlen_k=ctx.all.max_seqlen_k)
+        return paged_attention(q, cache[0], cache[1], ctx.all.block_tables, ctx.all.seq_lens, cu, pos32,
+                               runner.scale, ks, vs, max_seqlen_q=q.shape[0], max_seqlen_k=ctx.all.max_seqlen_k)
 
     def subset_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = runner.kv_caches[layer]
         ks, vs = runner.layer_scales(layer)
         conn.wait_for_layer_load(layer)
-        write_kv(k, v, cache[0], cache[1], ctx.slot_mapping[keep], ks, vs)
+        write_kv(k, v, cache[0], cache[1], slots, ks, vs)
         return attention(layer, q)
 
     def rank(layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -138,12 +144,12 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
         conn.wait_for_layer_load(layer)
         cache, which = runner.kv_caches[layer], 0 if params.metric == "k" else 1
         flat = cache[which].view(-1, *cache.shape[3:])
-        slots = ctx.slot_mapping[:n][cand]
+        cand_slots = ctx.slot_mapping[:n][cand]
         if kv_dtype.itemsize == 1:  # fp8: index its bytes, compare in real units
-            cached = flat.view(torch.uint8).index_select(0, slots).view(kv_dtype).float()
+            cached = flat.view(torch.uint8).index_select(0, cand_slots).view(kv_dtype).float()
             cached = cached * runner.layer_scales(layer)[which].view(-1, 1)
         else:
-            cached = flat.index_select(0, slots)
+            cached = flat.index_select(0, cand_slots)
         picked = torch.nonzero(cand).flatten()[select((k if which == 0 else v)[:n][cand], cached, params.ratio)]
         mask = ~cand
         mask[picked] = True
@@ -161,7 +167,7 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
         # full), but attention and MLP only for the kept rows, the only ones read later on.
         layer = model.layers[c]
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), ctx.positions)
-        keep = rank(c, k, v)
+        keep, pos, pos32, slots, cu = kept(rank(c, k, v))
         report.full_layers, first = c, c + 1
         if keep.numel() == n:  # everything kept: the rest is an ordinary prefill
             h = layer.finish(h, runner.attend(c, q, k, v))
@@ -171,7 +177,7 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
         runner.store(c, k, v)
         h = layer.finish(h[keep], attention(c, q[keep]))
     for i in range(first, len(model.layers)):
-        h = model.layers[i](i, h, ctx.positions[keep], subset_attend)
+        h = model.layers[i](i, h, pos, subset_attend)
     ctx.logits_indices = torch.tensor([h.shape[0] - 1], device=h.device)
     ctx.num_sampled = 1
     return h
