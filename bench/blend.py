@@ -16,9 +16,9 @@ import torch
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from connector import ConnectorConfig, TierKVConnector
-from engine import LLM, SamplingParams, Segment
-from engine.config import RANDOM_CONFIGS
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.engine import LLM, SamplingParams, Segment
+from tierkv.engine.config import RANDOM_CONFIGS
 
 RATIOS = [0.0, 0.05, 0.15, 0.3, 0.5, 1.0]
 

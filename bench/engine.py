@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from engine import LLM, SamplingParams
-from engine.config import RANDOM_CONFIGS
-from kernels.layer_ops import native_matmul
+from tierkv.engine import LLM, SamplingParams
+from tierkv.engine.config import RANDOM_CONFIGS
+from tierkv.kernels.layer_ops import native_matmul
 
 FULL = dict(rounds=3, requests=64, prompt=(128, 1024), output=(32, 256), hf_batch=32, shared_requests=32,
             system=1024, user=(32, 128), shared_output=32, latency_prompt=256, latency_output=64)

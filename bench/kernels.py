@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from bench.common import goal, median_time, parser, print_table, write_results
-from kernels import paged_attention, paged_attention_ref
+from tierkv.kernels import paged_attention, paged_attention_ref
 
 HQ, HKV, D, BS = 8, 2, 64, 16
 DTYPE = torch.bfloat16

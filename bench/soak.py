@@ -30,8 +30,8 @@ import xxhash
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from cacheserver.client import RemoteTier
-from storage_backends.segment import KVSegment
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.storage_backends.segment import KVSegment
 from tests.services import RedisProcess, ServerProcess
 
 MiB = 1 << 20

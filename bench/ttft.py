@@ -17,12 +17,12 @@ import torch
 from tqdm import tqdm
 
 from bench.common import goal, median_time, parser, print_table, write_results
-from connector import ConnectorConfig, TierKVConnector
-from engine import LLM, SamplingParams
-from engine.config import RANDOM_CONFIGS
-from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig
-from storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.engine import LLM, SamplingParams
+from tierkv.engine.config import RANDOM_CONFIGS
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tests.services import RedisProcess, ServerProcess
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

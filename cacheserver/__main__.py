@@ -1,5 +1,5 @@
 import sys
 
-from cacheserver.cli import main
+from tierkv.cacheserver.cli import main
 
 sys.exit(main())

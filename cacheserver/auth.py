@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from storage_backends.base import DEFAULT_NAMESPACE
+from tierkv.storage_backends.base import DEFAULT_NAMESPACE
 
 
 @dataclass(slots=True)

@@ -16,13 +16,13 @@ import sys
 
 import grpc
 
-from cacheserver import config as cfg
-from cacheserver.server import Server
-from storage_backends.base import format_size
-from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig
-from storage_backends.redis_tier import RedisTier, RedisTierConfig
-from storage_backends.store import TieredStore
+from tierkv.cacheserver import config as cfg
+from tierkv.cacheserver.server import Server
+from tierkv.storage_backends.base import format_size
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.server")
 
@@ -59,7 +59,7 @@ async def serve(c: cfg.ServerConfig, store: TieredStore) -> None:
 
 
 async def _stats(args: argparse.Namespace) -> int:
-    from cacheserver.client import RemoteTier
+    from tierkv.cacheserver.client import RemoteTier
 
     tier = RemoteTier(target=args.target, token=args.token, tls_ca=args.tls_ca, retries=0,
                       timeout_s=args.timeout)
@@ -87,7 +87,7 @@ async def _health(args: argparse.Namespace) -> int:
     """Exit 0 when the server answers SERVING (container health checks)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from cacheserver.client import channel
+    from tierkv.cacheserver.client import channel
 
     async with channel(args.target, args.tls_ca) as ch:
         try:

@@ -22,15 +22,15 @@ from typing import AsyncIterator, Sequence
 import grpc
 import torch
 
-from cacheserver.auth import bearer
-from cacheserver import wire
-from cacheserver.frames import Assembly, put_wire
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
+from tierkv.cacheserver.auth import bearer
+from tierkv.cacheserver import wire
+from tierkv.cacheserver.frames import Assembly, put_wire
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
                                    check_namespace)
-from storage_backends.buffers import copy_into
-from storage_backends.segment import KVSegment, SegmentError, decode_layer
+from tierkv.storage_backends.buffers import copy_into
+from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
 
 log = logging.getLogger("tierkv.remote")
 MiB = 1 << 20

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from storage_backends.base import check_namespace, parse_size
+from tierkv.storage_backends.base import check_namespace, parse_size
 
 MiB = 1 << 20
 

@@ -15,11 +15,11 @@ import torch
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from cacheserver import wire
-from cacheserver.wire import Corrupt
-from proto import tierkv_pb2 as pb
-from storage_backends.buffers import out_view
-from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
+from tierkv.cacheserver import wire
+from tierkv.cacheserver.wire import Corrupt
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.buffers import out_view
+from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
 
 MiB = 1 << 20
 KEY_NBYTES = 16

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from cacheserver.frames import KEY_NBYTES, check_known, invalid, too_big
-from cacheserver.wire import Corrupt, PutFrame
-from proto import tierkv_pb2 as pb
-from storage_backends.segment import KVSegment, SegmentError
+from tierkv.cacheserver.frames import KEY_NBYTES, check_known, invalid, too_big
+from tierkv.cacheserver.wire import Corrupt, PutFrame
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.segment import KVSegment, SegmentError
 
 
 @dataclass(slots=True)

@@ -10,13 +10,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cacheserver import wire
-from cacheserver.config import ServerConfig
-from cacheserver.frames import parser
-from cacheserver.metrics import Metrics
-from cacheserver.servicer import Servicer
-from proto import tierkv_pb2 as pb
-from storage_backends.store import TieredStore
+from tierkv.cacheserver import wire
+from tierkv.cacheserver.config import ServerConfig
+from tierkv.cacheserver.frames import parser
+from tierkv.cacheserver.metrics import Metrics
+from tierkv.cacheserver.servicer import Servicer
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.server")
 # HTTP/2 frames as large as the spec allows: a 1 MiB message then crosses in one frame, not 64.

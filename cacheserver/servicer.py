@@ -16,17 +16,17 @@ from typing import AsyncIterator
 
 import grpc
 
-from cacheserver import wire
-from cacheserver.auth import Auth
-from cacheserver.config import ServerConfig
-from cacheserver.frames import BadRequest, check_keys, check_known, cut, too_big
-from cacheserver.metrics import Metrics
-from cacheserver.receive import BufferPool, PutLimits, receive_put
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.base import LayerChunk
-from storage_backends.segment import KVSegment
-from storage_backends.store import TieredStore
+from tierkv.cacheserver import wire
+from tierkv.cacheserver.auth import Auth
+from tierkv.cacheserver.config import ServerConfig
+from tierkv.cacheserver.frames import BadRequest, check_keys, check_known, cut, too_big
+from tierkv.cacheserver.metrics import Metrics
+from tierkv.cacheserver.receive import BufferPool, PutLimits, receive_put
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.base import LayerChunk
+from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.store import TieredStore
 
 
 @dataclass(slots=True)

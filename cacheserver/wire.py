@@ -13,7 +13,7 @@ from typing import Iterator
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2 as pb
 
 VARINT, LEN = 0, 2
 CORRUPT = -1  # SegmentFrame.kind of a frame that did not parse

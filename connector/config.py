@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage_backends.base import DEFAULT_NAMESPACE, Tier, check_namespace, parse_size
-from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig
-from storage_backends.gpu_tier import GpuTier, GpuTierConfig
-from storage_backends.store import StoreConfig, TieredStore
+from tierkv.storage_backends.base import DEFAULT_NAMESPACE, Tier, check_namespace, parse_size
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.store import StoreConfig, TieredStore
 
 REMOTE_SCHEMES = ("grpc://", "grpcs://", "redis://", "rediss://", "redis+cluster://")
 
@@ -70,12 +70,12 @@ class ConnectorConfig:
 def remote_tier(url: str, token: str | None = None, tls_ca: str | None = None) -> Tier:
     """The shared tier named by url: tierkv-server over gRPC, or Redis (standalone or cluster)."""
     if url.startswith(("grpc://", "grpcs://")):
-        from cacheserver.client import RemoteTier
+        from tierkv.cacheserver.client import RemoteTier
 
         tls = url.startswith("grpcs://")
         if tls and tls_ca is None:
             raise ValueError("grpcs:// needs tls_ca (the server's CA certificate)")
         return RemoteTier(target=url.split("://", 1)[1], token=token, tls_ca=tls_ca if tls else None)
-    from storage_backends.redis_tier import RedisTier, RedisTierConfig
+    from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 
     return RedisTier(RedisTierConfig(url=url))

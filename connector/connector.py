@@ -18,17 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.config import ConnectorConfig
-from connector.loop import LoopThread
-from connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
-from connector.requests import DTYPE_NAMES, model_fingerprint, record_lookup, request_state
-from connector.transfer import Layout, LoadJob, book, run_load, run_saves
-from engine.kv_connector import KVConnector
-from kernels import FP8, RotaryEmbedding, gather_kv
-from storage_backends.base import Tier
-from storage_backends.keys import ChunkHasher, Salt
-from storage_backends.store import TieredStore
-from storage_backends.segment import VERSION
+from tierkv.connector.config import ConnectorConfig
+from tierkv.connector.loop import LoopThread
+from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
+from tierkv.connector.requests import DTYPE_NAMES, model_fingerprint, record_lookup, request_state
+from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves
+from tierkv.engine.kv_connector import KVConnector
+from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
+from tierkv.storage_backends.base import Tier
+from tierkv.storage_backends.keys import ChunkHasher, Salt
+from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.segment import VERSION
 
 log = logging.getLogger("tierkv.connector")
 
@@ -57,7 +57,7 @@ class TierKVConnector(KVConnector):
         self.model_id: str | None = None
         self.rope: RotaryEmbedding | None = None
         if self.config.metrics_port:
-            from connector.metrics import serve_metrics
+            from tierkv.connector.metrics import serve_metrics
             serve_metrics(self, self.config.metrics_port)
 
     async def _build_store(self, tiers: list[Tier] | None) -> TieredStore:

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from cacheserver.metrics import _TierCollector, stats_dict
+from tierkv.cacheserver.metrics import _TierCollector, stats_dict
 
 
 @dataclass(slots=True, eq=False)

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 import xxhash
 
-from connector.plan import Chunk, RequestState
-from kernels import FP8
-from storage_backends.keys import ChunkHasher
+from tierkv.connector.plan import Chunk, RequestState
+from tierkv.kernels import FP8
+from tierkv.storage_backends.keys import ChunkHasher
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                FP8: "float8_e4m3fn"}

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from connector.plan import ConnectorStats, LoadPlan, SavePlan
-from kernels import RotaryEmbedding, rerotate_k, scatter_kv
-from storage_backends.base import Tier
-from storage_backends.segment import KVSegment, SegmentError
+from tierkv.connector.plan import ConnectorStats, LoadPlan, SavePlan
+from tierkv.kernels import RotaryEmbedding, rerotate_k, scatter_kv
+from tierkv.storage_backends.base import Tier
+from tierkv.storage_backends.segment import KVSegment, SegmentError
 
 log = logging.getLogger("tierkv.connector")
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from kernels import paged_attention, write_kv
+from tierkv.kernels import paged_attention, write_kv
 
 
 @dataclass(slots=True)

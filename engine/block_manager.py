@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.radix import RadixTree
-from engine.sequence import Sequence
+from tierkv.engine.radix import RadixTree
+from tierkv.engine.sequence import Sequence
 
 
 class BlockManager:

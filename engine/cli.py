@@ -6,10 +6,10 @@ import json
 import sys
 from dataclasses import asdict
 
-from engine.config import RANDOM_CONFIGS
-from engine.llm import LLM
-from engine.blend import Segment
-from engine.sampling_params import SamplingParams
+from tierkv.engine.config import RANDOM_CONFIGS
+from tierkv.engine.llm import LLM
+from tierkv.engine.blend import Segment
+from tierkv.engine.sampling_params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def read_segment(path: str, ids: bool):
 def make_connector(args):
     if not (args.kv_connector or args.cache_server or args.remote):
         return None
-    from connector import ConnectorConfig, TierKVConnector  # the engine runs without it otherwise
+    from tierkv.connector import ConnectorConfig, TierKVConnector  # the engine runs without it otherwise
 
     remote = f"grpc://{args.cache_server}" if args.cache_server else args.remote
     return TierKVConnector(ConnectorConfig(chunk_size=args.chunk_size, cpu_bytes=args.cpu_cache,

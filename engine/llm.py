@@ -9,16 +9,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.blend import BlendParams, Segment, join_segments
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.kv_connector import KVConnector, NoOpConnector
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from tierkv.engine.blend import BlendParams, Segment, join_segments
+from tierkv.engine.block_manager import BlockManager
+from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.kv_connector import KVConnector, NoOpConnector
+from tierkv.engine.loader import load_model
+from tierkv.engine.model_runner import ModelRunner
+from tierkv.engine.sampler import sample
+from tierkv.engine.sampling_params import SamplingParams
+from tierkv.engine.scheduler import Scheduler
+from tierkv.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

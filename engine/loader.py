@@ -9,8 +9,8 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from engine.config import DTYPES, ModelConfig
-from engine.model import LlamaForCausalLM
+from tierkv.engine.config import DTYPES, ModelConfig
+from tierkv.engine.model import LlamaForCausalLM
 
 
 def safetensor_files(path: Path) -> list[Path]:

@@ -12,9 +12,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from kernels import RotaryEmbedding
-from kernels.layer_ops import linear, rms_norm, silu_mul
+from tierkv.engine.config import ModelConfig
+from tierkv.kernels import RotaryEmbedding
+from tierkv.kernels.layer_ops import linear, rms_norm, silu_mul
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

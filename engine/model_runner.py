@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.blend import BlendReport, blend_forward
-from engine.config import EngineConfig, ModelConfig
-from engine.kv_connector import KVConnector
-from engine.model import LlamaForCausalLM
-from engine.scheduler import SchedulerOutput
+from tierkv.engine.blend import BlendReport, blend_forward
+from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.kv_connector import KVConnector
+from tierkv.engine.model import LlamaForCausalLM
+from tierkv.engine.scheduler import SchedulerOutput
 import torch.nn.functional as F
 
-from kernels import cpu, fp8_scales, paged_attention, use_triton, write_kv
-from kernels.layer_ops import native_matmul
+from tierkv.kernels import cpu, fp8_scales, paged_attention, use_triton, write_kv
+from tierkv.kernels.layer_ops import native_matmul
 
 FP8 = torch.float8_e4m3fn
 FP8_HEADROOM = 2.0

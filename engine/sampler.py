@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
+from tierkv.engine.sequence import Sequence
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

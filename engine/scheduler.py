@@ -11,10 +11,10 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.kv_connector import KVConnector
-from engine.sequence import Sequence, Status
+from tierkv.engine.block_manager import BlockManager
+from tierkv.engine.config import EngineConfig
+from tierkv.engine.kv_connector import KVConnector
+from tierkv.engine.sequence import Sequence, Status
 
 
 @dataclass(slots=True)

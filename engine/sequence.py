@@ -6,8 +6,8 @@ from enum import Enum, auto
 
 import torch
 
-from engine.blend import BlendParams
-from engine.sampling_params import SamplingParams
+from tierkv.engine.blend import BlendParams
+from tierkv.engine.sampling_params import SamplingParams
 
 
 class Status(Enum):

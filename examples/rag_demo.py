@@ -39,8 +39,8 @@ def corpus() -> tuple[list[list[int]], list[list[int]]]:
 
 
 def engine(target: str | None):
-    from connector import ConnectorConfig, TierKVConnector
-    from engine import LLM
+    from tierkv.connector import ConnectorConfig, TierKVConnector
+    from tierkv.engine import LLM
 
     conn = TierKVConnector(ConnectorConfig(cpu_bytes="1GiB", remote=f"grpc://{target}")) if target else None
     llm = LLM(MODEL, dtype="bfloat16", kv_cache_bytes=512 << 20, enable_prefix_caching=False, kv_connector=conn,
@@ -50,7 +50,7 @@ def engine(target: str | None):
 
 def run(llm, prompt, ratio: float | None = None):
     """(output, the logits of its first token)."""
-    from engine import SamplingParams
+    from tierkv.engine import SamplingParams
 
     seen = []
     inner = llm.runner.run
@@ -74,7 +74,7 @@ def process_a(target: str) -> None:
 
 
 def process_b(target: str) -> None:
-    from engine import Segment
+    from tierkv.engine import Segment
 
     docs, qs = corpus()
     cold, _ = engine(None)
@@ -124,7 +124,7 @@ def main() -> None:
     port = free_port()
     target = f"127.0.0.1:{port}"
     log = open(tmp / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "cacheserver", "--port", str(port), "--cache-dir",
+    server = subprocess.Popen([sys.executable, "-m", "tierkv.cacheserver", "--port", str(port), "--cache-dir",
                                str(tmp / "cache")], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

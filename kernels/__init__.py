@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu
-from kernels.dispatch import triton_available, use_triton
-from kernels.fp8 import FP8, FP8_MAX, dequantize_fp8, fp8_scales, quantize_fp8
-from kernels.ref_attention import paged_attention_ref
-from kernels.ref_kv import gather_kv_ref, layer_scales, scatter_kv_ref, write_kv_ref
-from kernels.rope import RotaryEmbedding, rerotate_k
+from tierkv.kernels import cpu
+from tierkv.kernels.dispatch import triton_available, use_triton
+from tierkv.kernels.fp8 import FP8, FP8_MAX, dequantize_fp8, fp8_scales, quantize_fp8
+from tierkv.kernels.ref_attention import paged_attention_ref
+from tierkv.kernels.ref_kv import gather_kv_ref, layer_scales, scatter_kv_ref, write_kv_ref
+from tierkv.kernels.rope import RotaryEmbedding, rerotate_k
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -24,7 +24,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of q [Nq, Hq, D] over each sequence's paged K/V; causal by q_positions.
     max_seqlen_q/k are optional hints (they save a device sync when choosing split-K)."""
     if use_triton(q):
-        from kernels.triton_attention import paged_attention_triton
+        from tierkv.kernels.triton_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                       q_positions, scale, k_scale, v_scale,
                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -37,7 +37,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale: torch.Tensor | None = None) -> None:
     """Write k, v [N, Hkv, D] into the caches at slot_mapping (negative = skip)."""
     if use_triton(k):
-        from kernels.triton_kv import write_kv_triton
+        from tierkv.kernels.triton_kv import write_kv_triton
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if cpu.write_kv_usable(k, v, k_cache, v_cache) and slot_mapping.dtype in (torch.int32, torch.int64):
         try:  # one C++ pass; it checks every slot before writing any
@@ -63,7 +63,7 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Ten
             out_scales.copy_(tmp_sc)
         return None
     if use_triton(k_cache):
-        from kernels.triton_kv import gather_kv_triton
+        from tierkv.kernels.triton_kv import gather_kv_triton
         return gather_kv_triton(k_cache, v_cache, block_ids, start, length, out, k_scale, v_scale, out_scales)
     return gather_kv_ref(k_cache, v_cache, block_ids, start, length, out, k_scale, v_scale, out_scales)
 
@@ -77,7 +77,7 @@ def scatter_kv(src: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     src = src.to(k_cache.device)
     src_scales = None if src_scales is None else src_scales.to(k_cache.device)
     if use_triton(k_cache):
-        from kernels.triton_kv import scatter_kv_triton
+        from tierkv.kernels.triton_kv import scatter_kv_triton
         return scatter_kv_triton(src, k_cache, v_cache, block_ids, start, k_scale, v_scale, src_scales)
     return scatter_kv_ref(src, k_cache, v_cache, block_ids, start, k_scale, v_scale, src_scales)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import is_fp8
+from tierkv.kernels.fp8 import is_fp8
 
 
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

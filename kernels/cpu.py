@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.fp8 import FP8, is_fp8
+from tierkv.kernels.fp8 import FP8, is_fp8
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from tierkv.kernels.dispatch import use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -36,7 +36,7 @@ def _bcast(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale, saturated to +-448, as float8_e4m3fn."""
     if scale.dim() == 1 and x.dim() >= 2 and use_triton(x):
-        from kernels.triton_fp8 import quantize_fp8_triton
+        from tierkv.kernels.triton_fp8 import quantize_fp8_triton
         return quantize_fp8_triton(x, scale)
     return quantize_fp8_ref(x, scale)
 

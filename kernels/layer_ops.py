@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
+from tierkv.kernels import cpu
 
 FLOATS = (torch.float32, torch.bfloat16)  # fp16 runs the torch code
 

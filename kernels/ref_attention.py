@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
-from kernels.attention_checks import check_attention_args, check_attention_values
-from kernels.fp8 import is_fp8
+from tierkv.kernels import cpu
+from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
+from tierkv.kernels.fp8 import is_fp8
 
 PLANS = 8  # plans kept per thread: an engine step makes one call per decode group and layer
 CHUNK = 64  # query rows per masked SDPA call: each call reads keys only up to its last position

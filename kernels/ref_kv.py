@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import convert, fp8_scales, is_fp8
+from tierkv.kernels.fp8 import convert, fp8_scales, is_fp8
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

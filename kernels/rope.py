@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu
-from kernels.dispatch import use_triton
+from tierkv.kernels import cpu
+from tierkv.kernels.dispatch import use_triton
 
 
 def llama_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -92,7 +92,7 @@ class RotaryEmbedding:
                              f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}")
         cos, sin = self.cos_sin(positions)
         if use_triton(q):
-            from kernels.triton_rope import rope_triton
+            from tierkv.kernels.triton_rope import rope_triton
             return rope_triton(q, cos, sin), rope_triton(k, cos, sin)
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
@@ -110,6 +110,6 @@ def rerotate_k(k: torch.Tensor, delta: int | torch.Tensor, rope: RotaryEmbedding
         raise ValueError(f"delta must be an int or a tensor of shape [{k.shape[0]}]")
     angle = d.float()[:, None] * rope.inv_freq.to(k.device)
     if use_triton(k):
-        from kernels.triton_rope import rope_triton
+        from tierkv.kernels.triton_rope import rope_triton
         return rope_triton(k, angle.cos(), angle.sin())
     return rotate(k, angle.cos(), angle.sin())

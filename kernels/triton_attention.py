@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import is_fp8
-from kernels.triton_common import cdiv, rmax, rsum
-from kernels.attention_checks import check_attention_args, check_attention_values
+from tierkv.kernels.fp8 import is_fp8
+from tierkv.kernels.triton_common import cdiv, rmax, rsum
+from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
 
 
 @triton.jit

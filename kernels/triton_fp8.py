@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpret
-from kernels.fp8 import FP8
+from tierkv.kernels.dispatch import interpret
+from tierkv.kernels.fp8 import FP8
 
 
 @triton.jit

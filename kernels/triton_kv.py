@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, is_fp8
-from kernels.dispatch import interpret
-from kernels.triton_common import rmax
-from kernels.ref_kv import check_cache_pair, check_segment, check_write_args, put_rows, token_slots
+from tierkv.kernels.fp8 import FP8, FP8_MAX, is_fp8
+from tierkv.kernels.dispatch import interpret
+from tierkv.kernels.triton_common import rmax
+from tierkv.kernels.ref_kv import check_cache_pair, check_segment, check_write_args, put_rows, token_slots
 
 
 @triton.jit

@@ -1,34 +1,44 @@
 """Generate proto/tierkv_pb2.py and proto/tierkv_pb2_grpc.py from proto/tierkv.proto.
 
-Run from the repository root as `python -m proto.build` (or `make proto`). Compiling with
-the repository root on the include path makes the generated stub import
-`from proto import tierkv_pb2`, so the modules work as a package without path tricks.
+Run as `python -m tierkv.proto.build` (or `make proto`). protoc names a generated module
+after the .proto's path under its include root, so the source is compiled from a scratch
+tree `tierkv/proto/tierkv.proto`: the stub then imports `from tierkv.proto import
+tierkv_pb2`, the module's installed name, with no path tricks.
 """
+
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "proto/tierkv.proto"
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "tierkv.proto"
 OUTPUTS = ("tierkv_pb2.py", "tierkv_pb2_grpc.py")
 
 
-def generate(out_root: Path) -> list[Path]:
-    """Compile SOURCE into out_root/proto/; returns the generated files."""
+def generate(out_dir: Path) -> list[Path]:
+    """Compile SOURCE into out_dir; returns the generated files."""
     from grpc_tools import protoc
 
-    (out_root / "proto").mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out_root}", f"--grpc_python_out={out_root}",
-            str(ROOT / SOURCE)]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {SOURCE}")
-    return [out_root / "proto" / name for name in OUTPUTS]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tierkv" / "proto"
+        tree.mkdir(parents=True)
+        shutil.copyfile(SOURCE, tree / SOURCE.name)
+        args = ["protoc", f"-I{tmp}", f"--python_out={tmp}", f"--grpc_python_out={tmp}",
+                str(tree / SOURCE.name)]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {SOURCE}")
+        for name in OUTPUTS:
+            shutil.copyfile(tree / name, out_dir / name)
+    return [out_dir / name for name in OUTPUTS]
 
 
 def main() -> int:
-    for path in generate(ROOT):
-        print(f"wrote {path.relative_to(ROOT)}")
+    for path in generate(HERE):
+        print(f"wrote {path}")
     return 0
 
 

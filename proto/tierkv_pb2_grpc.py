@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import tierkv_pb2 as proto_dot_tierkv__pb2
+from tierkv.proto import tierkv_pb2 as tierkv_dot_proto_dot_tierkv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/tierkv_pb2_grpc.py depends on'
+        + ' but the generated code in tierkv/proto/tierkv_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class TierKVStub:
         """
         self.Lookup = channel.unary_unary(
                 '/tierkv.v1.TierKV/Lookup',
-                request_serializer=proto_dot_tierkv__pb2.LookupRequest.SerializeToString,
-                response_deserializer=proto_dot_tierkv__pb2.LookupResponse.FromString,
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.LookupRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/tierkv.v1.TierKV/Put',
-                request_serializer=proto_dot_tierkv__pb2.PutFrame.SerializeToString,
-                response_deserializer=proto_dot_tierkv__pb2.PutResponse.FromString,
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.PutFrame.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/tierkv.v1.TierKV/Get',
-                request_serializer=proto_dot_tierkv__pb2.GetRequest.SerializeToString,
-                response_deserializer=proto_dot_tierkv__pb2.SegmentFrame.FromString,
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.GetRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.SegmentFrame.FromString,
                 _registered_method=True)
         self.GetMany = channel.unary_stream(
                 '/tierkv.v1.TierKV/GetMany',
-                request_serializer=proto_dot_tierkv__pb2.GetManyRequest.SerializeToString,
-                response_deserializer=proto_dot_tierkv__pb2.SegmentFrame.FromString,
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.GetManyRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.SegmentFrame.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/tierkv.v1.TierKV/Delete',
-                request_serializer=proto_dot_tierkv__pb2.DeleteRequest.SerializeToString,
-                response_deserializer=proto_dot_tierkv__pb2.DeleteResponse.FromString,
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.DeleteResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tierkv.v1.TierKV/Stats',
-                request_serializer=proto_dot_tierkv__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_tierkv__pb2.StatsResponse.FromString,
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.StatsRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -115,33 +115,33 @@ def add_TierKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=proto_dot_tierkv__pb2.LookupRequest.FromString,
-                    response_serializer=proto_dot_tierkv__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.LookupRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.LookupResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=proto_dot_tierkv__pb2.PutFrame.FromString,
-                    response_serializer=proto_dot_tierkv__pb2.PutResponse.SerializeToString,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.PutFrame.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.PutResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=proto_dot_tierkv__pb2.GetRequest.FromString,
-                    response_serializer=proto_dot_tierkv__pb2.SegmentFrame.SerializeToString,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.GetRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.SegmentFrame.SerializeToString,
             ),
             'GetMany': grpc.unary_stream_rpc_method_handler(
                     servicer.GetMany,
-                    request_deserializer=proto_dot_tierkv__pb2.GetManyRequest.FromString,
-                    response_serializer=proto_dot_tierkv__pb2.SegmentFrame.SerializeToString,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.GetManyRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.SegmentFrame.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=proto_dot_tierkv__pb2.DeleteRequest.FromString,
-                    response_serializer=proto_dot_tierkv__pb2.DeleteResponse.SerializeToString,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.DeleteRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.DeleteResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_tierkv__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_tierkv__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.StatsRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -169,8 +169,8 @@ class TierKV:
             request,
             target,
             '/tierkv.v1.TierKV/Lookup',
-            proto_dot_tierkv__pb2.LookupRequest.SerializeToString,
-            proto_dot_tierkv__pb2.LookupResponse.FromString,
+            tierkv_dot_proto_dot_tierkv__pb2.LookupRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -196,8 +196,8 @@ class TierKV:
             request_iterator,
             target,
             '/tierkv.v1.TierKV/Put',
-            proto_dot_tierkv__pb2.PutFrame.SerializeToString,
-            proto_dot_tierkv__pb2.PutResponse.FromString,
+            tierkv_dot_proto_dot_tierkv__pb2.PutFrame.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class TierKV:
             request,
             target,
             '/tierkv.v1.TierKV/Get',
-            proto_dot_tierkv__pb2.GetRequest.SerializeToString,
-            proto_dot_tierkv__pb2.SegmentFrame.FromString,
+            tierkv_dot_proto_dot_tierkv__pb2.GetRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.SegmentFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,8 +250,8 @@ class TierKV:
             request,
             target,
             '/tierkv.v1.TierKV/GetMany',
-            proto_dot_tierkv__pb2.GetManyRequest.SerializeToString,
-            proto_dot_tierkv__pb2.SegmentFrame.FromString,
+            tierkv_dot_proto_dot_tierkv__pb2.GetManyRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.SegmentFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class TierKV:
             request,
             target,
             '/tierkv.v1.TierKV/Delete',
-            proto_dot_tierkv__pb2.DeleteRequest.SerializeToString,
-            proto_dot_tierkv__pb2.DeleteResponse.FromString,
+            tierkv_dot_proto_dot_tierkv__pb2.DeleteRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class TierKV:
             request,
             target,
             '/tierkv.v1.TierKV/Stats',
-            proto_dot_tierkv__pb2.StatsRequest.SerializeToString,
-            proto_dot_tierkv__pb2.StatsResponse.FromString,
+            tierkv_dot_proto_dot_tierkv__pb2.StatsRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,8 @@
 """KV segments, chunk keys, the tier interface and the local tiers behind one tiered store."""
-from storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Lease, Tier, TierStats, check_key,
+from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Lease, Tier, TierStats, check_key,
                                    check_namespace, format_size, parse_size)
-from storage_backends.keys import ChunkHasher, Salt
-from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
+from tierkv.storage_backends.keys import ChunkHasher, Salt
+from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
 
 __all__ = ["DEFAULT_NAMESPACE", "ChunkHasher", "KVSegment", "LayerChunk", "Lease", "Salt", "SegmentError",
            "SegmentHeader", "Tier", "TierStats", "check_key", "check_namespace", "decode_layer",

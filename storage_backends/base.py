@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 if TYPE_CHECKING:
-    from storage_backends.segment import KVSegment, SegmentHeader
+    from tierkv.storage_backends.segment import KVSegment, SegmentHeader
 
 DEFAULT_NAMESPACE = "default"
 _NS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from storage_backends.segment import KVSegment, SegmentHeader
+from tierkv.storage_backends.segment import KVSegment, SegmentHeader
 
 
 def out_view(out, nbytes: int) -> memoryview | None:

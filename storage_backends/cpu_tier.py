@@ -8,11 +8,11 @@ from typing import AsyncIterator
 
 import torch
 
-from storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
+from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
                                    check_namespace, parse_size)
-from storage_backends.buffers import copy_into, out_view
-from storage_backends.pages import PageAllocator, runs
-from storage_backends.segment import KVSegment, SegmentError, SegmentHeader, checksum, decode_layer
+from tierkv.storage_backends.buffers import copy_into, out_view
+from tierkv.storage_backends.pages import PageAllocator, runs
+from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, checksum, decode_layer
 
 
 @dataclass(slots=True)

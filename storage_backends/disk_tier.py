@@ -13,12 +13,12 @@ from typing import AsyncIterator
 
 import aiofiles
 
-from storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
+from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
                                    check_namespace, parse_size)
-from storage_backends.buffers import copy_into, out_view
-from storage_backends.segment import (PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum,
+from tierkv.storage_backends.buffers import copy_into, out_view
+from tierkv.storage_backends.segment import (PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum,
                                       decode_layer)
-from storage_backends.segment_files import check_same_header, load, read_aio, read_cached, read_header
+from tierkv.storage_backends.segment_files import check_same_header, load, read_aio, read_cached, read_header
 
 _NAME = re.compile(r"[0-9a-f]{32}\.tkv")
 

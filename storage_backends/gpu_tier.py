@@ -8,10 +8,10 @@ from typing import AsyncIterator
 
 import torch
 
-from storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
+from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
                                    check_namespace, parse_size)
-from storage_backends.buffers import clone_to, copy_into, with_payload
-from storage_backends.segment import KVSegment, SegmentError
+from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
+from tierkv.storage_backends.segment import KVSegment, SegmentError
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from storage_backends.base import check_namespace
+from tierkv.storage_backends.base import check_namespace
 
 KEY_NBYTES = 16
 

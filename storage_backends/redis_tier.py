@@ -23,10 +23,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry
 
-from storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
+from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
                                    check_namespace)
-from storage_backends.buffers import copy_into
-from storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, decode_layer
+from tierkv.storage_backends.buffers import copy_into
+from tierkv.storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, decode_layer
 
 log = logging.getLogger("tierkv.redis")
 # Redis unreachable or too slow: these start a backoff. Other RedisErrors are one refused call.

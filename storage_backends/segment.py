@@ -13,7 +13,7 @@ import lz4.block
 import numpy as np
 import torch
 
-from storage_backends.header import (ALIGN, CODECS, DTYPE_NAMES, FIXED, ITEMSIZE, LAYER, MAGIC, MAX_DIM,
+from tierkv.storage_backends.header import (ALIGN, CODECS, DTYPE_NAMES, FIXED, ITEMSIZE, LAYER, MAGIC, MAX_DIM,
                                      PREFIX, PREFIX_NBYTES, QUANTS, VERSION, SegmentError, SegmentHeader,
                                      checksum, header_nbytes_for)
 

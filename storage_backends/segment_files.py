@@ -7,7 +7,7 @@ from pathlib import Path
 
 import aiofiles
 
-from storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum
+from tierkv.storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum
 
 
 def read_header(path: Path) -> tuple[SegmentHeader, bytes] | None:

@@ -7,10 +7,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Tier, TierStats, check_key,
+from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Tier, TierStats, check_key,
                                    check_namespace)
-from storage_backends.buffers import clone_to, copy_into, with_payload
-from storage_backends.segment import KVSegment
+from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
+from tierkv.storage_backends.segment import KVSegment
 
 log = logging.getLogger(__name__)
 

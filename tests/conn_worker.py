@@ -6,7 +6,7 @@ import dataclasses
 import json
 import sys
 
-from connector import ConnectorConfig, TierKVConnector
+from tierkv.connector import ConnectorConfig, TierKVConnector
 from tests.test_connector import CHUNK, GREEDY, engine, tokens
 
 

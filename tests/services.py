@@ -151,7 +151,7 @@ class ServerProcess:
         import os
         import sys
 
-        cmd = [sys.executable, "-m", "cacheserver", "--port", str(self.port), "--cache-dir",
+        cmd = [sys.executable, "-m", "tierkv.cacheserver", "--port", str(self.port), "--cache-dir",
                str(self.cache_dir), "--cpu-bytes", "64MiB", "--disk-bytes", "256MiB", *self.args]
         env = {**os.environ, **self.env}
         # Output goes to a file: a pipe nobody reads would block the server once full.

@@ -11,12 +11,12 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from connector import ConnectorConfig, TierKVConnector
-from engine import LLM, SamplingParams, Segment
-from kernels import RotaryEmbedding, rerotate_k
-from storage_backends.keys import ChunkHasher, Salt
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.engine import LLM, SamplingParams, Segment
+from tierkv.kernels import RotaryEmbedding, rerotate_k
+from tierkv.storage_backends.keys import ChunkHasher, Salt
 from tests.test_connector import FaultTier
-from storage_backends.cpu_tier import CpuTierConfig
+from tierkv.storage_backends.cpu_tier import CpuTierConfig
 
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -172,7 +172,7 @@ def test_segment_stored_once_reused_in_three_prompts(ckpt, conn) -> None:
 def test_segment_keys_position_free_and_same_in_another_process() -> None:
     salt = Salt("llama:test", "tkvs1/layer-major/float32/none", chunk_size=64)
     here = ChunkHasher(salt).segment_key(DOCS[0]).hex()
-    code = ("from storage_backends.keys import ChunkHasher, Salt; from tests.test_blend import DOCS; "
+    code = ("from tierkv.storage_backends.keys import ChunkHasher, Salt; from tests.test_blend import DOCS; "
             "print(ChunkHasher(Salt('llama:test', 'tkvs1/layer-major/float32/none', chunk_size=64))"
             ".segment_key(DOCS[0]).hex())")
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

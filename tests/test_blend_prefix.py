@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine import LLM, SamplingParams, Segment
-from kernels import RotaryEmbedding, rerotate_k
+from tierkv.engine import LLM, SamplingParams, Segment
+from tierkv.kernels import RotaryEmbedding, rerotate_k
 from tests.test_blend import DOCS, QUESTION, VOCAB, ckpt, conn, engine, first_logits, flat, toks  # noqa: F401
 
 SYS_A, SYS_B = toks(100, 7), toks(100, 8)  # two chunks of 64: one full, one partial

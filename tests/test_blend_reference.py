@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from connector import ConnectorConfig, TierKVConnector
-from engine import LLM, SamplingParams, blend
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.engine import LLM, SamplingParams, blend
 from tests.test_blend import DOCS, QUESTION, ckpt, conn, engine, first_logits, prompt  # noqa: F401
 
 

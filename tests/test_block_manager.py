@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tierkv.engine.block_manager import BlockManager
+from tierkv.engine.sampling_params import SamplingParams
+from tierkv.engine.sequence import Sequence
 
 BS = 4
 

@@ -9,7 +9,7 @@ from tests.services import ServerProcess
 
 
 def cli(*args: str) -> list[dict]:
-    p = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--random-config", "tiny", "--dtype", "fp32",
+    p = subprocess.run([sys.executable, "-m", "tierkv.engine.cli", "generate", "--random-config", "tiny", "--dtype", "fp32",
                         "--max-tokens", "6", "--ignore-eos", "--chunk-size", "32", *args],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr

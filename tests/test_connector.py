@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from connector import ConnectorConfig, TierKVConnector
-from engine import LLM, SamplingParams
-from storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.engine import LLM, SamplingParams
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tests.services import ServerProcess
 
 CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

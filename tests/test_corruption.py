@@ -13,10 +13,10 @@ import pytest
 import redis
 import torch
 
-from cacheserver.client import RemoteTier
-from connector import ConnectorConfig, TierKVConnector
-from storage_backends.header import PREFIX, checksum
-from storage_backends.segment import KVSegment, SegmentHeader
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.storage_backends.header import PREFIX, checksum
+from tierkv.storage_backends.segment import KVSegment, SegmentHeader
 from tests.services import RedisProcess, ServerProcess
 from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine import LLM, SamplingParams
-from engine.model import Linear
-from kernels import cpu, layer_ops
-from kernels.layer_ops import GEMV_ROWS, linear
+from tierkv.engine import LLM, SamplingParams
+from tierkv.engine.model import Linear
+from tierkv.kernels import cpu, layer_ops
+from tierkv.kernels.layer_ops import GEMV_ROWS, linear
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels import cpu, paged_attention, paged_attention_ref
+from tierkv.kernels import cpu, paged_attention, paged_attention_ref
 from tests.test_kernels import tol
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
 
@@ -153,7 +153,7 @@ def test_op_rejects_bad_arguments():
 def test_rope_op_is_bit_identical_to_torch(dtype):
     # The engine's q and k are views split out of one projection; re-rotation passes
     # transposed caches; the op must read any row strides and round exactly as torch does.
-    from kernels.rope import RotaryEmbedding, rotate, rotate_ref
+    from tierkv.kernels.rope import RotaryEmbedding, rotate, rotate_ref
     rope = RotaryEmbedding(64, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     g = torch.Generator().manual_seed(7)
@@ -171,8 +171,8 @@ def test_rope_op_is_bit_identical_to_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_op_matches_reference(dtype):
-    from kernels import write_kv
-    from kernels.ref_kv import write_kv_ref
+    from tierkv.kernels import write_kv
+    from tierkv.kernels.ref_kv import write_kv_ref
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(40, 3 * 2 * 64, generator=g).to(dtype)
     _, k, v = kv.split([2 * 64, 2 * 64, 2 * 64], -1)  # views, as the engine's k and v are

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels import cpu
+from tierkv.kernels import cpu
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +24,7 @@ def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [512, 72, 37])  # vector rows, a tail of 8, a tail of 5
 def test_rms_norm_op_matches_reference(dtype, d):
-    from kernels.layer_ops import rms_norm, rms_norm_ref
+    from tierkv.kernels.layer_ops import rms_norm, rms_norm_ref
     g = torch.Generator().manual_seed(d)
     wide = (torch.randn(33, d + 9, generator=g) * 5).to(dtype)
     x = wide[:, 3:3 + d]  # rows apart by more than d: the engine passes views
@@ -41,7 +41,7 @@ def test_rms_norm_op_matches_reference(dtype, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h", [1408, 37])
 def test_silu_mul_op_matches_reference(dtype, h):
-    from kernels.layer_ops import silu_mul, silu_mul_ref
+    from tierkv.kernels.layer_ops import silu_mul, silu_mul_ref
     g = torch.Generator().manual_seed(h)
     x = (torch.randn(21, 2 * h, generator=g) * 6).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.5])  # exp's clamps
@@ -55,7 +55,7 @@ def test_silu_mul_op_matches_reference(dtype, h):
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(0, 40), d=st.integers(1, 70), scale=st.floats(0.01, 50.0), seed=st.integers(0, 2**16))
 def test_layer_ops_property(n, d, scale, seed):
-    from kernels.layer_ops import rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
+    from tierkv.kernels.layer_ops import rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 2 * d, generator=g) * scale
     w = torch.randn(d, generator=g)
@@ -64,7 +64,7 @@ def test_layer_ops_property(n, d, scale, seed):
 
 
 def test_layer_ops_dispatch_and_reject_bad_arguments(monkeypatch):
-    from kernels.layer_ops import rms_norm, silu_mul
+    from tierkv.kernels.layer_ops import rms_norm, silu_mul
     x, w = torch.randn(4, 64), torch.randn(64)
     with pytest.raises(RuntimeError, match="weight"):
         torch.ops.tierkv.rms_norm(x, w.bfloat16(), 1e-6)

@@ -8,9 +8,9 @@ import torch
 import transformers
 from hypothesis import given, settings, strategies as st
 
-from engine import LLM, SamplingParams
-from kernels import cpu, paged_attention, paged_attention_ref
-from kernels.layer_ops import linear, native_matmul
+from tierkv.engine import LLM, SamplingParams
+from tierkv.kernels import cpu, paged_attention, paged_attention_ref
+from tierkv.kernels.layer_ops import linear, native_matmul
 
 
 @pytest.fixture(autouse=True)

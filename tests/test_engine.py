@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig, ModelConfig
-from engine.sampler import filter_logits
+from tierkv.engine import LLM, SamplingParams
+from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.sampler import filter_logits
 from tests.test_hf_match import save_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -128,12 +128,12 @@ def test_fp8_kv_agrees_with_bf16_kv(ckpt):
 
 
 def test_cli(ckpt):
-    cmd = [sys.executable, "-m", "engine.cli", "generate", "--model", str(ckpt), "--prompt", "w1 w2 w3",
+    cmd = [sys.executable, "-m", "tierkv.engine.cli", "generate", "--model", str(ckpt), "--prompt", "w1 w2 w3",
            "--max-tokens", "4", "--ignore-eos", "--dtype", "fp32"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     metrics = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(metrics["token_ids"]) == 4 and metrics["prompt_tokens"] == 3 and "ttft" in metrics
-    bad = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--random-config", "tiny",
+    bad = subprocess.run([sys.executable, "-m", "tierkv.engine.cli", "generate", "--random-config", "tiny",
                           "--prompt", "hello"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "tokenizer" in bad.stderr

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, KVConnector, SamplingParams
-from kernels import gather_kv, scatter_kv
+from tierkv.engine import LLM, KVConnector, SamplingParams
+from tierkv.kernels import gather_kv, scatter_kv
 from tests.test_hf_match import GREEDY, save_checkpoint
 
 BS = 16

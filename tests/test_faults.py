@@ -15,14 +15,14 @@ import grpc
 import pytest
 import torch
 
-from cacheserver.client import RemoteTier
-from cacheserver.frames import put_frames
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig
-from storage_backends.segment import KVSegment
-from storage_backends.store import TieredStore
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.frames import put_frames
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.store import TieredStore
 from tests.services import ServerProcess
 
 
@@ -186,7 +186,7 @@ class SlowTier(CpuTier):
 
 
 def test_slow_lookup_and_save_do_not_hold_the_engine() -> None:
-    from connector import ConnectorConfig, TierKVConnector
+    from tierkv.connector import ConnectorConfig, TierKVConnector
     from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
 
     cold = engine().generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids
@@ -208,7 +208,7 @@ def test_hung_cache_server_does_not_hold_the_engine() -> None:
     """A real server process, SIGSTOPped: it accepts connections and answers nothing."""
     import signal
 
-    from connector import ConnectorConfig, TierKVConnector
+    from tierkv.connector import ConnectorConfig, TierKVConnector
     from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
 
     cold = engine().generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids

@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from connector import ConnectorConfig, TierKVConnector
-from storage_backends.redis_tier import RedisTier, RedisTierConfig
-from storage_backends.segment import KVSegment
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.storage_backends.segment import KVSegment
 from tests.services import RedisCluster, RedisProcess
 from tests.test_connector import CHUNK, GREEDY, engine, tokens
 

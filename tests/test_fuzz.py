@@ -20,9 +20,9 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cacheserver.frames import put_frames
-from proto import tierkv_pb2 as pb
-from storage_backends.segment import KVSegment
+from tierkv.cacheserver.frames import put_frames
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.segment import KVSegment
 from tests.services import ServerProcess
 
 OK, INVALID, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from tierkv.engine import LLM, SamplingParams
+from tierkv.engine.scheduler import SchedulerOutput
+from tierkv.engine.sequence import Sequence
 
 VOCAB = 256
 LENS = [5, 17, 33, 48, 70]
@@ -146,7 +146,7 @@ def test_parallel_sampling_copy_on_write(ckpt, prompts, hf_tokens):
 
 TRITON_SCRIPT = """
 import json, sys
-from engine import LLM, SamplingParams
+from tierkv.engine import LLM, SamplingParams
 prompts = json.loads(sys.argv[2])
 llm = LLM(sys.argv[1], dtype="fp32", kv_cache_bytes=1 << 20, max_num_batched_tokens=24)
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -13,12 +13,12 @@ import redis
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cacheserver.client import RemoteTier
-from connector import ConnectorConfig, TierKVConnector
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.redis_tier import RedisTier, RedisTierConfig
-from storage_backends.segment import KVSegment
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.storage_backends.segment import KVSegment
 from tests.services import RedisProcess, ServerProcess, TlsRedisProcess
 from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
 from tests.test_server_auth import self_signed
@@ -171,9 +171,9 @@ async def test_redis_tier_over_tls(tmp_path) -> None:
 async def test_a_delete_is_final_even_with_background_writes_queued(tmp_path) -> None:
     """Found by the tenant test above: a segment deleted while its demotion (or write-through)
     was still queued came back once the job ran. A tenant's Delete must stick."""
-    from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-    from storage_backends.disk_tier import DiskTier, DiskTierConfig
-    from storage_backends.store import TieredStore
+    from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+    from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+    from tierkv.storage_backends.store import TieredStore
 
     cpu = CpuTier(CpuTierConfig(capacity_bytes=8192, page_bytes=4096))  # room for one segment
     store = TieredStore([cpu, DiskTier(DiskTierConfig(root=tmp_path, fsync=False))])

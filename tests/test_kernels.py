@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels import (FP8, dequantize_fp8, fp8_scales, gather_kv, gather_kv_layers, paged_attention,
+from tierkv.kernels import (FP8, dequantize_fp8, fp8_scales, gather_kv, gather_kv_layers, paged_attention,
                      paged_attention_ref, quantize_fp8, scatter_kv, scatter_kv_layers, use_triton, write_kv)
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
 
@@ -55,7 +55,7 @@ def test_reference_property(seqs, heads, seed):
 def test_reference_query_chunks(monkeypatch, chunk):
     # Masked prefills run in row chunks, each over keys up to its highest position: shuffled
     # sparse rows, a chunked prefill over a cached prefix, chunks that end mid-block or hold one row.
-    import kernels.ref_attention as ref
+    import tierkv.kernels.ref_attention as ref
     monkeypatch.setattr(ref, "CHUNK", chunk)
     ref._WS.plans.clear()
     b = make_batch(seed=11, hq=8, hkv=2, d=64, dtype=torch.float32,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import FP8, dequantize_fp8, fp8_scales, quantize_fp8
+from tierkv.kernels import FP8, dequantize_fp8, fp8_scales, quantize_fp8
 
 BLOCK = 16
 PAD = 10**6  # block-table padding: any read of it would fault or fail the range check

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels import FP8, RotaryEmbedding, dequantize_fp8, fp8_scales, quantize_fp8, rerotate_k
+from tierkv.kernels import FP8, RotaryEmbedding, dequantize_fp8, fp8_scales, quantize_fp8, rerotate_k
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 512}

@@ -24,7 +24,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, i.e. at
 import triton  # noqa: E402  (a hard dependency of this file: no skip)
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels import triton_attention, triton_fp8, triton_kv, triton_rope  # noqa: E402
+from tierkv.kernels import triton_attention, triton_fp8, triton_kv, triton_rope  # noqa: E402
 
 for _m in (triton_attention, triton_kv, triton_rope, triton_fp8):
     if not any(isinstance(v, InterpretedFunction) for v in vars(_m).values()):
@@ -34,12 +34,12 @@ if _prev is None:
 else:
     os.environ["TRITON_INTERPRET"] = _prev
 
-from kernels import (FP8, RotaryEmbedding, gather_kv, gather_kv_layers, paged_attention_ref,  # noqa: E402
+from tierkv.kernels import (FP8, RotaryEmbedding, gather_kv, gather_kv_layers, paged_attention_ref,  # noqa: E402
                      quantize_fp8, rerotate_k, scatter_kv, scatter_kv_layers, write_kv)
-from kernels.fp8 import quantize_fp8_ref  # noqa: E402
-from kernels.ref_kv import gather_kv_ref, scatter_kv_ref, write_kv_ref  # noqa: E402
-from kernels.rope import rotate  # noqa: E402
-from kernels.triton_attention import choose_splits, paged_attention_triton  # noqa: E402
+from tierkv.kernels.fp8 import quantize_fp8_ref  # noqa: E402
+from tierkv.kernels.ref_kv import gather_kv_ref, scatter_kv_ref, write_kv_ref  # noqa: E402
+from tierkv.kernels.rope import rotate  # noqa: E402
+from tierkv.kernels.triton_attention import choose_splits, paged_attention_triton  # noqa: E402
 from tests.test_kernels_cases import Batch, dense_attention, make_batch  # noqa: E402
 
 assert triton.__version__

@@ -10,7 +10,7 @@ import torch
 import xxhash
 from hypothesis import given, strategies as st
 
-from storage_backends.keys import ChunkHasher, Salt
+from tierkv.storage_backends.keys import ChunkHasher, Salt
 
 SALT = Salt("llama-test:abc123:bf16", "layer-major:bf16:none:v1", tp_size=2, tp_rank=1, chunk_size=4, namespace="t1")
 
@@ -71,7 +71,7 @@ def test_bad_tokens(bad):
 
 
 def test_same_keys_in_separate_processes():
-    code = ("import numpy as np; from storage_backends.keys import ChunkHasher, Salt;"
+    code = ("import numpy as np; from tierkv.storage_backends.keys import ChunkHasher, Salt;"
             "h = ChunkHasher(Salt('llama-test:abc123:bf16', 'layer-major:bf16:none:v1', 2, 1, 4, 't1'));"
             "t = np.arange(1000, dtype=np.int32) * 7919 % 32000;"
             "print(b''.join(h.prefix_keys(t, partial=True)).hex(), h.segment_key(t).hex())")

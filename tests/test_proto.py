@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proto import build, tierkv_pb2, tierkv_pb2_grpc
+from tierkv.proto import build, tierkv_pb2, tierkv_pb2_grpc
 
 
 def test_generated_modules_are_fresh(tmp_path: Path) -> None:
     fresh = build.generate(tmp_path)
     for path in fresh:
-        committed = build.ROOT / "proto" / path.name
+        committed = build.HERE / path.name
         assert committed.read_text() == path.read_text(), (
             f"{committed} is stale vs {build.SOURCE}: run `make proto`")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheserver import wire
-from proto import tierkv_pb2 as pb
+from tierkv.cacheserver import wire
+from tierkv.proto import tierkv_pb2 as pb
 
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**64 - 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.radix import RadixTree
+from tierkv.engine.radix import RadixTree
 
 BS = 4
 

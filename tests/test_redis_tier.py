@@ -9,8 +9,8 @@ import pytest
 import redis
 import torch
 
-from storage_backends.redis_tier import RedisTier, RedisTierConfig
-from storage_backends.segment import KVSegment, decode_layer
+from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.storage_backends.segment import KVSegment, decode_layer
 from tests.services import RedisProcess
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention_ref
+from tierkv.kernels import paged_attention_ref
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
 
 
@@ -73,7 +73,7 @@ def test_new_metadata_each_call():
 
 def test_workspace_from_inference_mode_serves_callers_outside_it() -> None:
     """The engine calls under inference_mode; a later plain caller reuses the same scratch."""
-    from kernels import paged_attention
+    from tierkv.kernels import paged_attention
 
     nb, bs, h, d = 64, 16, 2, 64
     g = torch.Generator().manual_seed(3)

@@ -10,11 +10,11 @@ import grpc
 import pytest
 import torch
 
-from cacheserver.client import RemoteTier
-from cacheserver.frames import pieces, put_frames
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.segment import KVSegment, decode_layer
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.frames import pieces, put_frames
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.segment import KVSegment, decode_layer
 from tests.services import ServerProcess, free_port
 
 

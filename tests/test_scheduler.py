@@ -2,12 +2,12 @@
 determinism. Driven without a model: each step 'samples' a fixed token."""
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.kv_connector import NoOpConnector
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from tierkv.engine.block_manager import BlockManager
+from tierkv.engine.config import EngineConfig
+from tierkv.engine.kv_connector import NoOpConnector
+from tierkv.engine.sampling_params import SamplingParams
+from tierkv.engine.scheduler import Scheduler
+from tierkv.engine.sequence import Sequence, Status
 
 BS = 4
 

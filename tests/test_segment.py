@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from storage_backends.segment import (CODECS, PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader,
+from tierkv.storage_backends.segment import (CODECS, PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader,
                                       decode_layer)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]

@@ -11,12 +11,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cacheserver import cli
-from cacheserver.client import RemoteTier
-from cacheserver.frames import put_frames
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.segment import KVSegment, decode_layer
+from tierkv.cacheserver import cli
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.frames import put_frames
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.segment import KVSegment, decode_layer
 from tests.services import RedisProcess, ServerProcess, free_port
 
 

@@ -14,13 +14,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from cacheserver import config as cfg
-from cacheserver.auth import bearer
-from cacheserver.client import RemoteTier
-from cacheserver.frames import put_frames
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.segment import KVSegment
+from tierkv.cacheserver import config as cfg
+from tierkv.cacheserver.auth import bearer
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.frames import put_frames
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.segment import KVSegment
 from tests.services import ServerProcess
 
 TOKENS = {"token-team-a-0001": "team-a", "token-team-b-0002": "team-b"}
@@ -155,7 +155,7 @@ def test_config_unknown_yaml_key(tmp_path: Path) -> None:
 
 
 def test_cli_bad_flag_exits_with_message(capsys) -> None:
-    from cacheserver import cli
+    from tierkv.cacheserver import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["--cpu-bytes", "many"])

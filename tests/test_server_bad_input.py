@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
-from cacheserver.frames import put_frames
-from proto import tierkv_pb2 as pb
-from proto import tierkv_pb2_grpc as pb_grpc
-from storage_backends.segment import KVSegment
+from tierkv.cacheserver.frames import put_frames
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.segment import KVSegment
 from tests.services import ServerProcess
 
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from cacheserver import config as cfg
+from tierkv.cacheserver import config as cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 

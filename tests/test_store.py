@@ -6,10 +6,10 @@ import asyncio
 import pytest
 import torch
 
-from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig
-from storage_backends.gpu_tier import GpuTier, GpuTierConfig
-from storage_backends.store import StoreConfig, TieredStore
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.store import StoreConfig, TieredStore
 from tests.test_tiers import key, same, seg
 
 PAYLOAD = seg(0).payload.numel() * 2  # fp16 payload bytes of one test segment

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from storage_backends.disk_tier import DiskTier, DiskTierConfig
-from storage_backends.gpu_tier import GpuTier, GpuTierConfig
-from storage_backends.segment import KVSegment, SegmentHeader, decode_layer
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.segment import KVSegment, SegmentHeader, decode_layer
 
 
 def seg(i: int, T: int = 16, L: int = 2, dtype=torch.float16, codec: str = "none") -> KVSegment:
@@ -240,7 +240,7 @@ async def test_disk_corrupt_byte_is_a_miss_and_file_is_gone(tmp_path, out):
 
 
 async def test_disk_cold_read_goes_through_aiofiles(tmp_path, monkeypatch):
-    import storage_backends.disk_tier as disk_tier
+    import tierkv.storage_backends.disk_tier as disk_tier
     tier = DiskTier(DiskTierConfig(root=tmp_path, capacity_bytes="1MiB", fsync=True))
     s = seg(6)
     await tier.put(s.key, s)

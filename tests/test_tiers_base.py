@@ -6,8 +6,8 @@ import time
 import pytest
 from hypothesis import given, strategies as st
 
-from storage_backends.base import Leases, check_namespace, format_size, parse_size
-from storage_backends.pages import PageAllocator, runs
+from tierkv.storage_backends.base import Leases, check_namespace, format_size, parse_size
+from tierkv.storage_backends.pages import PageAllocator, runs
 
 
 @pytest.mark.parametrize("text, n", [("4096", 4096), ("8GiB", 8 << 30), ("512 MiB", 512 << 20), ("1.5G", 1_500_000_000),
