@@ -15,7 +15,6 @@ COPY cacheserver cacheserver
 COPY kernels kernels
 COPY engine engine
 COPY connector connector
-COPY bench bench
 RUN pip install .
 
 RUN useradd --system --uid 10001 tierkv && mkdir -p /var/cache/tierkv && chown tierkv /var/cache/tierkv

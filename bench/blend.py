@@ -7,6 +7,7 @@ the first document declared the shared prefix (the others computed after it).
 
     python -m bench.blend [--quick]
 """
+
 from __future__ import annotations
 
 import random
@@ -39,8 +40,14 @@ def cfg(layers: int) -> dict:
 
 
 def make(model: dict, conn=None, prefix: bool = False) -> LLM:
-    return LLM(model, dtype="bfloat16", kv_cache_bytes=512 << 20, enable_prefix_caching=prefix,
-               kv_connector=conn, max_num_batched_tokens=8192)
+    return LLM(
+        model,
+        dtype="bfloat16",
+        kv_cache_bytes=512 << 20,
+        enable_prefix_caching=prefix,
+        kv_connector=conn,
+        max_num_batched_tokens=8192,
+    )
 
 
 class Recorder:
@@ -68,7 +75,9 @@ def generate(llm: LLM, prompt, params: SamplingParams):
     return out, rec.seen[-len(out.token_ids)]
 
 
-def ttft_rows(layers: int, queries: int, docs: list[list[int]], question: list[int], bar) -> list[dict]:
+def ttft_rows(
+    layers: int, queries: int, docs: list[list[int]], question: list[int], bar
+) -> list[dict]:
     model = cfg(layers)
     conn = TierKVConnector(ConnectorConfig(cpu_bytes="2GiB"))
     full, prefix, blend = make(model), make(model, prefix=True), make(model, conn)
@@ -81,24 +90,39 @@ def ttft_rows(layers: int, queries: int, docs: list[list[int]], question: list[i
         order = rng.sample(range(len(docs)), len(docs))
         flat = sum((docs[i] for i in order), []) + question
         times["full prefill"].append(full.generate([flat], first, use_tqdm=False)[0].metrics.ttft)
-        times["prefix caching"].append(prefix.generate([flat], first, use_tqdm=False)[0].metrics.ttft)
-        out = blend.generate([[Segment(docs[i]) for i in order] + [Segment(question, reusable=False)]],
-                             SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.15),
-                             use_tqdm=False)[0]
+        times["prefix caching"].append(
+            prefix.generate([flat], first, use_tqdm=False)[0].metrics.ttft
+        )
+        out = blend.generate(
+            [[Segment(docs[i]) for i in order] + [Segment(question, reusable=False)]],
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.15),
+            use_tqdm=False,
+        )[0]
         times["blend 0.15"].append(out.metrics.ttft)
-        recomputed.append((out.metrics.blend["recomputed"] + out.metrics.blend["computed"]) / len(flat))
+        recomputed.append(
+            (out.metrics.blend["recomputed"] + out.metrics.blend["computed"]) / len(flat)
+        )
         bar.update()
     conn.close()
-    f = (CHECK_LAYER + qkv_share(model)) / layers  # layer 0 in full, then the check layer's K/V for every row
+    f = (
+        CHECK_LAYER + qkv_share(model)
+    ) / layers  # layer 0 in full, then the check layer's K/V for every row
     limit = 1 / (f + (1 - f) * 0.15)
     base = statistics.median(times["full prefill"])
     rows = []
     for src, ts in times.items():
         t = statistics.median(ts)
-        rows.append({"layers": layers, "source": src, "ttft_ms": t * 1e3, "speedup_vs_full": base / t,
-                     "limit": limit if src.startswith("blend") else "",
-                     "share_of_limit": base / t / limit if src.startswith("blend") else "",
-                     "rows_recomputed": statistics.median(recomputed) if src.startswith("blend") else ""})
+        rows.append(
+            {
+                "layers": layers,
+                "source": src,
+                "ttft_ms": t * 1e3,
+                "speedup_vs_full": base / t,
+                "limit": limit if src.startswith("blend") else "",
+                "share_of_limit": base / t / limit if src.startswith("blend") else "",
+                "rows_recomputed": statistics.median(recomputed) if src.startswith("blend") else "",
+            }
+        )
     return rows
 
 
@@ -109,7 +133,9 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
     full, blend = make(model), make(model, conn)
     rows = []
     for nd in ndocs_list:
-        docs = [torch.randint(0, model["vocab_size"], (256,), generator=g).tolist() for _ in range(nd)]
+        docs = [
+            torch.randint(0, model["vocab_size"], (256,), generator=g).tolist() for _ in range(nd)
+        ]
         question = torch.randint(0, model["vocab_size"], (32,), generator=g).tolist()
         greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         ref, ref_logits = generate(full, sum(docs, []) + question, greedy)
@@ -119,15 +145,31 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
         for metric, prefix in (("k", False), ("k", True), ("v", False)):
             blend.config.blend_metric = metric
             for r in RATIOS if metric == "k" else [0.15]:
-                p = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, blend_ratio=r)
-                prompt = ([Segment(docs[0], prefix=prefix)] + [Segment(d) for d in docs[1:]]
-                          + [Segment(question, reusable=False)])
+                p = SamplingParams(
+                    max_tokens=tokens, temperature=0.0, ignore_eos=True, blend_ratio=r
+                )
+                prompt = (
+                    [Segment(docs[0], prefix=prefix)]
+                    + [Segment(d) for d in docs[1:]]
+                    + [Segment(question, reusable=False)]
+                )
                 out, logits = generate(blend, prompt, p)
-                kl = float(torch.nn.functional.kl_div(logits.float().log_softmax(-1), ref_lp, log_target=True,
-                                                      reduction="sum"))
+                kl = float(
+                    torch.nn.functional.kl_div(
+                        logits.float().log_softmax(-1), ref_lp, log_target=True, reduction="sum"
+                    )
+                )
                 agree = sum(a == b for a, b in zip(out.token_ids, ref.token_ids)) / tokens
-                rows.append({"docs": nd, "metric": metric, "prefix": "doc 0" if prefix else "none", "ratio": r,
-                             "kl": kl, "greedy_agreement": agree})
+                rows.append(
+                    {
+                        "docs": nd,
+                        "metric": metric,
+                        "prefix": "doc 0" if prefix else "none",
+                        "ratio": r,
+                        "kl": kl,
+                        "greedy_agreement": agree,
+                    }
+                )
                 bar.update()
     blend.config.blend_metric = "k"
     conn.close()
@@ -153,32 +195,86 @@ def main() -> None:
     print_table(rows)
     print_table(dev)
     by = {(r["layers"], r["source"]): r for r in rows}
-    goals = [goal("blend TTFT speedup vs full, 8 layers", by[(8, "blend 0.15")]["speedup_vs_full"], ">=", 2.5, "x"),
-             goal("blend share of compute-bound limit, 8 layers", by[(8, "blend 0.15")]["share_of_limit"], ">=", 0.7),
-             goal("blend TTFT speedup vs prefix caching (shuffled), 8 layers",
-                  by[(8, "prefix caching")]["ttft_ms"] / by[(8, "blend 0.15")]["ttft_ms"], ">=", 2.0, "x")]
+    goals = [
+        goal(
+            "blend TTFT speedup vs full, 8 layers",
+            by[(8, "blend 0.15")]["speedup_vs_full"],
+            ">=",
+            2.5,
+            "x",
+        ),
+        goal(
+            "blend share of compute-bound limit, 8 layers",
+            by[(8, "blend 0.15")]["share_of_limit"],
+            ">=",
+            0.7,
+        ),
+        goal(
+            "blend TTFT speedup vs prefix caching (shuffled), 8 layers",
+            by[(8, "prefix caching")]["ttft_ms"] / by[(8, "blend 0.15")]["ttft_ms"],
+            ">=",
+            2.0,
+            "x",
+        ),
+    ]
     if 32 in layer_counts:
-        goals += [goal("blend TTFT speedup vs full, 32 layers", by[(32, "blend 0.15")]["speedup_vs_full"], ">=", 4.0, "x"),
-                  goal("blend share of compute-bound limit, 32 layers", by[(32, "blend 0.15")]["share_of_limit"],
-                       ">=", 0.7)]
-    kl = {(d["docs"], d["ratio"]): d["kl"] for d in dev if d["metric"] == "k" and d["prefix"] == "none"}
+        goals += [
+            goal(
+                "blend TTFT speedup vs full, 32 layers",
+                by[(32, "blend 0.15")]["speedup_vs_full"],
+                ">=",
+                4.0,
+                "x",
+            ),
+            goal(
+                "blend share of compute-bound limit, 32 layers",
+                by[(32, "blend 0.15")]["share_of_limit"],
+                ">=",
+                0.7,
+            ),
+        ]
+    kl = {
+        (d["docs"], d["ratio"]): d["kl"]
+        for d in dev
+        if d["metric"] == "k" and d["prefix"] == "none"
+    }
     kl_prefix = {(d["docs"], d["ratio"]): d["kl"] for d in dev if d["prefix"] == "doc 0"}
-    at = statistics.mean(kl[(n, 0.15)] for n in ndocs) / max(1e-12, statistics.mean(kl[(n, 0.0)] for n in ndocs))
+    at = statistics.mean(kl[(n, 0.15)] for n in ndocs) / max(
+        1e-12, statistics.mean(kl[(n, 0.0)] for n in ndocs)
+    )
     goals.append(goal("KL at 0.15 / KL at 0.0 (mean over doc counts)", at, "<=", 0.5))
 
     def plot(ax) -> None:
         for n in ndocs:
-            line, = ax.plot(RATIOS, [kl[(n, r)] for r in RATIOS], marker="o", label=f"{n} docs")
-            ax.plot(RATIOS, [kl_prefix[(n, r)] for r in RATIOS], marker="x", linestyle="--", color=line.get_color(),
-                    label=f"{n} docs, doc 0 declared prefix")
+            (line,) = ax.plot(RATIOS, [kl[(n, r)] for r in RATIOS], marker="o", label=f"{n} docs")
+            ax.plot(
+                RATIOS,
+                [kl_prefix[(n, r)] for r in RATIOS],
+                marker="x",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{n} docs, doc 0 declared prefix",
+            )
         ax.set_xlabel("blend ratio")
         ax.set_ylabel("KL(blend || full prefill), next token")
         ax.set_yscale("symlog", linthresh=1e-4)
         ax.legend()
 
-    write_results("blend", {"docs": 6, "doc_tokens": 512, "question_tokens": 32, "queries": queries,
-                            "check_layer": CHECK_LAYER, "model": "bench bf16",
-                            "limit_full_share": f"(check_layer + {qkv_share(cfg(8)):.4f}) / layers"}, rows + dev, goals, plot)
+    write_results(
+        "blend",
+        {
+            "docs": 6,
+            "doc_tokens": 512,
+            "question_tokens": 32,
+            "queries": queries,
+            "check_layer": CHECK_LAYER,
+            "model": "bench bf16",
+            "limit_full_share": f"(check_layer + {qkv_share(cfg(8)):.4f}) / layers",
+        },
+        rows + dev,
+        goals,
+        plot,
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Each `python -m bench.NAME` writes `bench/results/NAME.json` and `NAME.png` with
 {"bench", "machine", "config", "rows", "goals"} (see DESIGN.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -28,9 +30,13 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "threads": os.cpu_count(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "python": platform.python_version()}
+    info = {
+        "cpu": cpu,
+        "threads": os.cpu_count(),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -58,7 +64,14 @@ def goal(name: str, value: float, op: str, target: float, unit: str = "") -> dic
     if op not in (">=", "<="):
         raise ValueError(f"goal op must be '>=' or '<=', got {op!r}")
     met = value >= target if op == ">=" else value <= target
-    return {"name": name, "value": value, "op": op, "target": target, "unit": unit, "met": bool(met)}
+    return {
+        "name": name,
+        "value": value,
+        "op": op,
+        "target": target,
+        "unit": unit,
+        "met": bool(met),
+    }
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Iterable[str] | None = None) -> str:
@@ -73,8 +86,10 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Iterable[str] | None = 
 
     cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)),
-             "-|-".join("-" * w for w in widths)]
+    lines = [
+        " | ".join(c.ljust(w) for c, w in zip(cols, widths)),
+        "-|-".join("-" * w for w in widths),
+    ]
     lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     text = "\n".join(lines)
     print(text)
@@ -84,16 +99,29 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Iterable[str] | None = 
 def print_goals(goals: Sequence[dict[str, Any]]) -> None:
     for g in goals:
         mark = "MET " if g["met"] else "MISS"
-        print(f"[{mark}] {g['name']}: {g['value']:.4g} {g['unit']} (target {g['op']} {g['target']:.4g})")
+        print(
+            f"[{mark}] {g['name']}: {g['value']:.4g} {g['unit']} (target {g['op']} {g['target']:.4g})"
+        )
 
 
-def write_results(name: str, config: dict[str, Any], rows: list[dict[str, Any]],
-                  goals: list[dict[str, Any]], plot: Callable[[Any], None] | None = None) -> Path:
+def write_results(
+    name: str,
+    config: dict[str, Any],
+    rows: list[dict[str, Any]],
+    goals: list[dict[str, Any]],
+    plot: Callable[[Any], None] | None = None,
+) -> Path:
     """Write bench/results/NAME.json and, when plot is given, NAME.png (plot draws on an Axes)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
-    doc = {"bench": name, "machine": machine_info(), "config": config, "rows": rows, "goals": goals,
-           "date": time.strftime("%Y-%m-%d")}
+    doc = {
+        "bench": name,
+        "machine": machine_info(),
+        "config": config,
+        "rows": rows,
+        "goals": goals,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     out.write_text(json.dumps(doc, indent=2))
     if plot is not None:
         import matplotlib

@@ -8,6 +8,7 @@ python -m bench.engine [--quick] [--dtype bf16|fp32] [--rounds N]
 bf16 GEMMs, where tierkv computes its bf16 linear layers in fp32 and HF does not, it shows how
 much of the bf16 ratio that choice makes.
 """
+
 from __future__ import annotations
 
 import random
@@ -23,19 +24,47 @@ from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
 from tierkv.kernels.layer_ops import native_matmul
 
-FULL = dict(rounds=3, requests=64, prompt=(128, 1024), output=(32, 256), hf_batch=32, shared_requests=32,
-            system=1024, user=(32, 128), shared_output=32, latency_prompt=256, latency_output=64)
-QUICK = dict(rounds=1, requests=12, prompt=(64, 256), output=(16, 48), hf_batch=6, shared_requests=8,
-             system=512, user=(16, 64), shared_output=16, latency_prompt=128, latency_output=24)
+FULL = dict(
+    rounds=3,
+    requests=64,
+    prompt=(128, 1024),
+    output=(32, 256),
+    hf_batch=32,
+    shared_requests=32,
+    system=1024,
+    user=(32, 128),
+    shared_output=32,
+    latency_prompt=256,
+    latency_output=64,
+)
+QUICK = dict(
+    rounds=1,
+    requests=12,
+    prompt=(64, 256),
+    output=(16, 48),
+    hf_batch=6,
+    shared_requests=8,
+    system=512,
+    user=(16, 64),
+    shared_output=16,
+    latency_prompt=128,
+    latency_output=24,
+)
 LATENCY_RUNS = 5  # alternating single-request decode runs of each system (medians reported)
 
 
 def bench_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16):
     """The bench model of DESIGN.md (random weights from seed 0), saved for both engines."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(**RANDOM_CONFIGS["bench"], max_position_embeddings=4096,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    cfg = LlamaConfig(
+        **RANDOM_CONFIGS["bench"],
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
     hf = LlamaForCausalLM(cfg).to(dtype).eval()
     hf.save_pretrained(path)
     return hf
@@ -43,23 +72,32 @@ def bench_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16):
 
 def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
     r, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, 32000, (r.randint(*prompt),), generator=g).tolist() for _ in range(n)]
+    prompts = [
+        torch.randint(1, 32000, (r.randint(*prompt),), generator=g).tolist() for _ in range(n)
+    ]
     return prompts, [r.randint(*output) for _ in range(n)]
 
 
-def hf_generate(hf, prompts: list[list[int]], outs: list[int], batch: int, bar: tqdm) -> tuple[float, int, float]:
+def hf_generate(
+    hf, prompts: list[list[int]], outs: list[int], batch: int, bar: tqdm
+) -> tuple[float, int, float]:
     """Padded (left) batches as a user runs them: (seconds, tokens generated, unused cache share)."""
     t0, generated, slots, empty = time.perf_counter(), 0, 0, 0
     for i in range(0, len(prompts), batch):
-        ps, os_ = prompts[i:i + batch], outs[i:i + batch]
+        ps, os_ = prompts[i : i + batch], outs[i : i + batch]
         width, new = max(map(len, ps)), max(os_)
         ids = torch.zeros(len(ps), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, p in enumerate(ps):
-            ids[j, width - len(p):], mask[j, width - len(p):] = torch.tensor(p), 1
+            ids[j, width - len(p) :], mask[j, width - len(p) :] = torch.tensor(p), 1
         with torch.no_grad():
-            res = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False)
+            res = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+            )
         generated += (res.shape[1] - width) * len(ps)
         # The padded cache holds B x (width + t) slots after step t; a request fills len + min(t, out).
         for t in range(1, new + 1):
@@ -70,12 +108,22 @@ def hf_generate(hf, prompts: list[list[int]], outs: list[int], batch: int, bar: 
 
 
 def engine_llm(path: str, prefix: bool, dtype: str = "bf16") -> LLM:
-    return LLM(path, dtype=dtype, kv_cache_bytes=1 << 30, max_num_batched_tokens=2048, enable_prefix_caching=prefix)
+    return LLM(
+        path,
+        dtype=dtype,
+        kv_cache_bytes=1 << 30,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=prefix,
+    )
 
 
 def warm(llm: LLM) -> None:
     ps, os_ = workload(4, (16, 300), (4, 8), seed=99)
-    llm.generate(ps, [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in os_], use_tqdm=False)
+    llm.generate(
+        ps,
+        [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in os_],
+        use_tqdm=False,
+    )
 
 
 def run_engine(llm: LLM, prompts, outs, desc: str) -> tuple[float, int, list]:
@@ -89,8 +137,15 @@ def run_engine(llm: LLM, prompts, outs, desc: str) -> tuple[float, int, list]:
 
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="both systems' dtype (default bf16)")
-    ap.add_argument("--rounds", type=int, default=0, help="rounds of (a) (default 3, 1 with --quick)")
+    ap.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="both systems' dtype (default bf16)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=0, help="rounds of (a) (default 3, 1 with --quick)"
+    )
     args = ap.parse_args()
     c = dict(QUICK if args.quick else FULL)
     c["rounds"] = args.rounds or c["rounds"]
@@ -108,13 +163,33 @@ def main() -> None:
         llm.stats = type(llm.stats)()
         dt, n, _ = run_engine(llm, prompts, outs, "throughput")
         engine_unused = llm.stats.kv_unused_share
-        rows.append(dict(case="a:throughput", system="tierkv", round=rnd, requests=len(prompts), seconds=dt,
-                         output_tokens=n, tok_per_s=n / dt, kv_unused_pct=100 * engine_unused))
+        rows.append(
+            dict(
+                case="a:throughput",
+                system="tierkv",
+                round=rnd,
+                requests=len(prompts),
+                seconds=dt,
+                output_tokens=n,
+                tok_per_s=n / dt,
+                kv_unused_pct=100 * engine_unused,
+            )
+        )
         with tqdm(total=len(prompts), desc=f"hf generate, round {rnd}") as bar:
             hdt, hgen, hf_unused = hf_generate(hf, prompts, outs, c["hf_batch"], bar)
-        rows.append(dict(case="a:throughput", system="hf", round=rnd, requests=len(prompts), seconds=hdt,
-                         output_tokens=n, tok_per_s=n / hdt, kv_unused_pct=100 * hf_unused,
-                         note=f"generated {hgen} (padding to the batch's longest)"))
+        rows.append(
+            dict(
+                case="a:throughput",
+                system="hf",
+                round=rnd,
+                requests=len(prompts),
+                seconds=hdt,
+                output_tokens=n,
+                tok_per_s=n / hdt,
+                kv_unused_pct=100 * hf_unused,
+                note=f"generated {hgen} (padding to the batch's longest)",
+            )
+        )
         ratios.append(hdt / dt)
 
     # single-request decode latency: the engine's decode time per token; HF's (t(L) - t(1)) / (L - 1);
@@ -125,13 +200,28 @@ def main() -> None:
     for _ in range(LATENCY_RUNS):
         e_runs.append(llm.generate(p1, sp, use_tqdm=False)[0].metrics.decode_time / (lo - 1) * 1e3)
         with torch.no_grad():
-            t = time.perf_counter(); hf.generate(ids, max_new_tokens=1, do_sample=False); h1 = time.perf_counter() - t
-            t = time.perf_counter(); hf.generate(ids, max_new_tokens=lo, min_new_tokens=lo, do_sample=False)
+            t = time.perf_counter()
+            hf.generate(ids, max_new_tokens=1, do_sample=False)
+            h1 = time.perf_counter() - t
+            t = time.perf_counter()
+            hf.generate(ids, max_new_tokens=lo, min_new_tokens=lo, do_sample=False)
             h_runs.append((time.perf_counter() - t - h1) / (lo - 1) * 1e3)
-    rows.append(dict(case="a:decode_latency", system="tierkv", ms_per_token=statistics.median(e_runs),
-                     runs=", ".join(f"{x:.2f}" for x in e_runs)))
-    rows.append(dict(case="a:decode_latency", system="hf", ms_per_token=statistics.median(h_runs),
-                     runs=", ".join(f"{x:.2f}" for x in h_runs)))
+    rows.append(
+        dict(
+            case="a:decode_latency",
+            system="tierkv",
+            ms_per_token=statistics.median(e_runs),
+            runs=", ".join(f"{x:.2f}" for x in e_runs),
+        )
+    )
+    rows.append(
+        dict(
+            case="a:decode_latency",
+            system="hf",
+            ms_per_token=statistics.median(h_runs),
+            runs=", ".join(f"{x:.2f}" for x in h_runs),
+        )
+    )
 
     # (b) shared system prompt, prefix caching on vs off
     system = workload(1, (c["system"],) * 2, (1, 1), seed=7)[0][0]
@@ -143,31 +233,75 @@ def main() -> None:
         if sl.blocks.tree is not None:
             sl.blocks.tree.stats = type(sl.blocks.tree.stats)()
         sdt, sn, res = run_engine(sl, sprompts, souts, "shared prefix")
-        rows.append(dict(case="b:shared_prefix", system=f"prefix_cache_{'on' if prefix else 'off'}",
-                         requests=len(sprompts), seconds=sdt, output_tokens=sn, tok_per_s=sn / sdt,
-                         cached_tokens=sum(x.metrics.cached_tokens for x in res)))
+        rows.append(
+            dict(
+                case="b:shared_prefix",
+                system=f"prefix_cache_{'on' if prefix else 'off'}",
+                requests=len(sprompts),
+                seconds=sdt,
+                output_tokens=sn,
+                tok_per_s=sn / sdt,
+                cached_tokens=sum(x.metrics.cached_tokens for x in res),
+            )
+        )
         del sl
     on, off = rows[-2]["tok_per_s"], rows[-1]["tok_per_s"]
     ratio_a = statistics.median(ratios)
-    goals = [goal(f"a: output tokens/s vs HF transformers (median of {len(ratios)} rounds)", ratio_a, ">=", 3.0, "x"),
-             goal("b: prefix caching on vs off throughput", on / off, ">=", 2.0, "x"),
-             goal("c: allocated KV slots holding no token (tierkv)", 100 * engine_unused, "<=", 4.0, "%")]
-    cols = ["case", "system", "round", "requests", "seconds", "output_tokens", "tok_per_s", "ms_per_token",
-            "kv_unused_pct", "cached_tokens", "note"]
+    goals = [
+        goal(
+            f"a: output tokens/s vs HF transformers (median of {len(ratios)} rounds)",
+            ratio_a,
+            ">=",
+            3.0,
+            "x",
+        ),
+        goal("b: prefix caching on vs off throughput", on / off, ">=", 2.0, "x"),
+        goal(
+            "c: allocated KV slots holding no token (tierkv)", 100 * engine_unused, "<=", 4.0, "%"
+        ),
+    ]
+    cols = [
+        "case",
+        "system",
+        "round",
+        "requests",
+        "seconds",
+        "output_tokens",
+        "tok_per_s",
+        "ms_per_token",
+        "kv_unused_pct",
+        "cached_tokens",
+        "note",
+    ]
     print_table(rows, cols)
-    print(f"(c) unused KV slots: tierkv {100 * engine_unused:.2f}% vs HF padded cache {100 * hf_unused:.2f}%")
+    print(
+        f"(c) unused KV slots: tierkv {100 * engine_unused:.2f}% vs HF padded cache {100 * hf_unused:.2f}%"
+    )
 
     def plot(ax) -> None:
-        labels = [f"{r['case']}\n{r['system']}" + (f" {r['round']}" if "round" in r else "")
-                  for r in rows if "tok_per_s" in r]
+        labels = [
+            f"{r['case']}\n{r['system']}" + (f" {r['round']}" if "round" in r else "")
+            for r in rows
+            if "tok_per_s" in r
+        ]
         ax.bar(labels, [r["tok_per_s"] for r in rows if "tok_per_s" in r], color="tab:blue")
         ax.set_ylabel("output tokens/s")
         ax.tick_params(axis="x", labelsize=7)
 
-    write_results("engine" if args.dtype == "bf16" else "engine_fp32",
-                  dict(c, quick=args.quick, model=f"bench (hidden 512, 8 layers, {args.dtype}, seed 0)",
-                       max_num_batched_tokens=2048, threads=torch.get_num_threads(),
-                       native_bf16_matmul=native_matmul(torch.bfloat16, torch.device("cpu"))), rows, goals, plot)
+    write_results(
+        "engine" if args.dtype == "bf16" else "engine_fp32",
+        dict(
+            c,
+            quick=args.quick,
+            model=f"bench (hidden 512, 8 layers, {args.dtype}, seed 0)",
+            max_num_batched_tokens=2048,
+            threads=torch.get_num_threads(),
+            native_bf16_matmul=native_matmul(torch.bfloat16, torch.device("cpu")),
+        ),
+        rows,
+        goals,
+        plot,
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ fraction of the device's peak. Shapes are the bench model's attention (8 query h
 
     python -m bench.kernels [--quick] [--threads N]
 """
+
 from __future__ import annotations
 
 import statistics
@@ -23,8 +24,15 @@ from tierkv.kernels import paged_attention, paged_attention_ref
 HQ, HKV, D, BS = 8, 2, 64, 16
 DTYPE = torch.bfloat16
 # Dense peaks (bf16 TFLOP/s without sparsity, HBM TB/s) by device-name substring.
-PEAKS = {"H200": (989.0, 4.8), "H100": (989.0, 3.35), "A100": (312.0, 2.0), "L40S": (362.0, 0.864),
-         "L4": (121.0, 0.3), "A10": (125.0, 0.6), "4090": (165.0, 1.0)}
+PEAKS = {
+    "H200": (989.0, 4.8),
+    "H100": (989.0, 3.35),
+    "A100": (312.0, 2.0),
+    "L40S": (362.0, 0.864),
+    "L4": (121.0, 0.3),
+    "A10": (125.0, 0.6),
+    "4090": (165.0, 1.0),
+}
 
 
 def setup(batch: int, ctx: int, n_q: int, device: str, seed: int = 0):
@@ -41,20 +49,25 @@ def setup(batch: int, ctx: int, n_q: int, device: str, seed: int = 0):
     dense_v = v.view(-1, HKV, D)[slots].transpose(1, 2).contiguous()
     q = torch.randn(batch * n_q, HQ, D, generator=g).to(device, DTYPE)
     pos = torch.arange(ctx - n_q, ctx, device=device).repeat(batch).int()
-    meta = dict(block_tables=bt, seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device),
-                cu_seqlens_q=torch.arange(0, batch * n_q + 1, n_q, dtype=torch.int32, device=device),
-                q_positions=pos)
+    meta = dict(
+        block_tables=bt,
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.arange(0, batch * n_q + 1, n_q, dtype=torch.int32, device=device),
+        q_positions=pos,
+    )
     return q, k, v, meta, dense_k, dense_v
 
 
-def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, n_q: int) -> torch.Tensor:
+def dense_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, n_q: int
+) -> torch.Tensor:
     """The baseline: SDPA on contiguous [B, Hkv, T, D]. Decode folds the GQA group into the
     query length (on a CPU several times faster than enable_gqa); prefill is causal."""
     if n_q == 1:
-        out = F.scaled_dot_product_attention(q.view(batch, HKV, HQ // HKV, D), k, v, scale=D ** -0.5)
+        out = F.scaled_dot_product_attention(q.view(batch, HKV, HQ // HKV, D), k, v, scale=D**-0.5)
         return out.reshape(batch, HQ, D)
     qt = q.view(batch, n_q, HQ, D).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=D ** -0.5, enable_gqa=True)
+    out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=D**-0.5, enable_gqa=True)
     return out.transpose(1, 2).reshape(batch * n_q, HQ, D)
 
 
@@ -63,16 +76,24 @@ def timed(fn, device: str, repeat: int) -> float:
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
+
     return median_time(run, repeat=repeat, warmup=2)
 
 
 def measure(kind: str, batch: int, ctx: int, device: str, repeat: int) -> dict:
     n_q = 1 if kind == "decode" else ctx
     q, k, v, meta, dk, dv = setup(batch, ctx, n_q, device)
-    paged = lambda: paged_attention(q, k, v, scale=D ** -0.5, **meta,  # noqa: E731
-                                    max_seqlen_q=n_q, max_seqlen_k=ctx)
-    base = lambda: dense_sdpa(q, dk, dv, batch, n_q)  # noqa: E731
-    ref = lambda: paged_attention_ref(q, k, v, scale=D ** -0.5, cpu_kernel=False, **meta)  # noqa: E731
+    paged = lambda: paged_attention(
+        q,
+        k,
+        v,
+        scale=D**-0.5,
+        **meta,
+        max_seqlen_q=n_q,
+        max_seqlen_k=ctx,
+    )
+    base = lambda: dense_sdpa(q, dk, dv, batch, n_q)
+    ref = lambda: paged_attention_ref(q, k, v, scale=D**-0.5, cpu_kernel=False, **meta)
     err = (paged().float() - base().float()).abs().max().item()
     fns = (paged, base) if device == "cuda" else (paged, base, ref)
     # Alternate them in rounds so that load from other processes hits all alike.
@@ -81,13 +102,28 @@ def measure(kind: str, batch: int, ctx: int, device: str, repeat: int) -> dict:
     kv_bytes = 2 * batch * ctx * HKV * D * k.element_size()
     flops = 4 * batch * HQ * D * (ctx * (ctx + 1) / 2 if n_q > 1 else ctx)
     # For scale: the usual GQA call, SDPA(enable_gqa=True), which the fold above outruns on a CPU.
-    gqa = lambda: F.scaled_dot_product_attention(  # noqa: E731
-        q.view(batch, n_q, HQ, D).transpose(1, 2), dk, dv, is_causal=n_q > 1, scale=D ** -0.5, enable_gqa=True)
+    gqa = lambda: F.scaled_dot_product_attention(
+        q.view(batch, n_q, HQ, D).transpose(1, 2),
+        dk,
+        dv,
+        is_causal=n_q > 1,
+        scale=D**-0.5,
+        enable_gqa=True,
+    )
     t_gqa = timed(gqa, device, repeat)
-    row = {"kind": kind, "batch": batch, "ctx": ctx, "paged_ms": t_paged * 1e3, "sdpa_ms": t_base * 1e3,
-           "sdpa_gqa_ms": t_gqa * 1e3, "torch_ref_ms": t_ref[0] * 1e3 if t_ref else float("nan"),
-           "ratio": t_paged / t_base, "paged_GBps": kv_bytes / t_paged / 1e9,
-           "paged_TFLOPs": flops / t_paged / 1e12, "max_err": err}
+    row = {
+        "kind": kind,
+        "batch": batch,
+        "ctx": ctx,
+        "paged_ms": t_paged * 1e3,
+        "sdpa_ms": t_base * 1e3,
+        "sdpa_gqa_ms": t_gqa * 1e3,
+        "torch_ref_ms": t_ref[0] * 1e3 if t_ref else float("nan"),
+        "ratio": t_paged / t_base,
+        "paged_GBps": kv_bytes / t_paged / 1e9,
+        "paged_TFLOPs": flops / t_paged / 1e12,
+        "max_err": err,
+    }
     del q, k, v, dk, dv
     return row
 
@@ -102,53 +138,101 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's bf16 peak")
-    p.add_argument("--peak-tbps", type=float, default=0.0, help="override the device's memory bandwidth")
+    p.add_argument(
+        "--peak-tbps", type=float, default=0.0, help="override the device's memory bandwidth"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if cuda:
-        batches, ctxs, pre = ([1, 32], [4096, 32768], [8192]) if args.quick else \
-            ([1, 8, 32], [1024, 2048, 4096, 8192, 16384, 32768], [1024, 4096, 8192, 16384])
+        batches, ctxs, pre = (
+            ([1, 32], [4096, 32768], [8192])
+            if args.quick
+            else ([1, 8, 32], [1024, 2048, 4096, 8192, 16384, 32768], [1024, 4096, 8192, 16384])
+        )
     else:
-        batches, ctxs, pre = ([1, 32], [1024, 2048], [1024]) if args.quick else \
-            ([1, 8, 32], [1024, 2048, 4096, 8192], [1024, 2048, 4096])
+        batches, ctxs, pre = (
+            ([1, 32], [1024, 2048], [1024])
+            if args.quick
+            else ([1, 8, 32], [1024, 2048, 4096, 8192], [1024, 2048, 4096])
+        )
     repeat = 3 if args.quick else 5
     cases = [("decode", b, c) for b in batches for c in ctxs] + [("prefill", 1, c) for c in pre]
-    rows = [measure(kind, b, c, device, repeat) for kind, b, c in tqdm(cases, desc="kernels", unit="case")]
+    rows = [
+        measure(kind, b, c, device, repeat)
+        for kind, b, c in tqdm(cases, desc="kernels", unit="case")
+    ]
     goals = [goal("max |paged - dense SDPA| (bf16)", max(r["max_err"] for r in rows), "<=", 2e-2)]
     if cuda:
         tflops, tbps = peaks(args)
         for r in rows:
             r["bw_frac"] = r["paged_GBps"] / (tbps * 1e3) if tbps else float("nan")
             r["tflops_frac"] = r["paged_TFLOPs"] / tflops if tflops else float("nan")
-        dec = max((r for r in rows if r["kind"] == "decode" and r["ctx"] == max(ctxs)), key=lambda r: r["bw_frac"])
+        dec = max(
+            (r for r in rows if r["kind"] == "decode" and r["ctx"] == max(ctxs)),
+            key=lambda r: r["bw_frac"],
+        )
         pf = [r for r in rows if r["kind"] == "prefill" and r["ctx"] == 8192]
-        goals.append(goal(f"decode {max(ctxs) // 1024}K, batch {dec['batch']}: fraction of memory bandwidth",
-                          dec["bw_frac"], ">=", 0.7))
+        goals.append(
+            goal(
+                f"decode {max(ctxs) // 1024}K, batch {dec['batch']}: fraction of memory bandwidth",
+                dec["bw_frac"],
+                ">=",
+                0.7,
+            )
+        )
         if pf:
             goals.append(goal("prefill 8K: fraction of bf16 peak", pf[0]["tflops_frac"], ">=", 0.5))
     else:
         hit = [r for r in rows if r["kind"] == "decode" and r["batch"] == 32 and r["ctx"] == 2048]
-        goals.append(goal("CPU decode batch 32, 2K: paged (C++ kernel) / dense SDPA", hit[0]["ratio"], "<=", 1.5, "x"))
+        goals.append(
+            goal(
+                "CPU decode batch 32, 2K: paged (C++ kernel) / dense SDPA",
+                hit[0]["ratio"],
+                "<=",
+                1.5,
+                "x",
+            )
+        )
     print_table(rows)
 
     def plot(ax):
         for b in batches:
             pts = [r for r in rows if r["kind"] == "decode" and r["batch"] == b]
-            ax.plot([r["ctx"] for r in pts], [r["ratio"] for r in pts], marker="o", label=f"decode, batch {b}")
+            ax.plot(
+                [r["ctx"] for r in pts],
+                [r["ratio"] for r in pts],
+                marker="o",
+                label=f"decode, batch {b}",
+            )
         pts = [r for r in rows if r["kind"] == "prefill"]
-        ax.plot([r["ctx"] for r in pts], [r["ratio"] for r in pts], marker="s", label="prefill, batch 1")
+        ax.plot(
+            [r["ctx"] for r in pts], [r["ratio"] for r in pts], marker="s", label="prefill, batch 1"
+        )
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(f"paged ({'Triton' if cuda else 'CPU path'}) time / dense SDPA time")
         ax.legend()
 
-    write_results("kernels", {"device": device, "quick": args.quick, "threads": torch.get_num_threads(),
-                              "hq": HQ, "hkv": HKV, "head_dim": D, "block_size": BS, "dtype": str(DTYPE)},
-                  rows, goals, plot)
+    write_results(
+        "kernels",
+        {
+            "device": device,
+            "quick": args.quick,
+            "threads": torch.get_num_threads(),
+            "hq": HQ,
+            "hkv": HKV,
+            "head_dim": D,
+            "block_size": BS,
+            "dtype": str(DTYPE),
+        },
+        rows,
+        goals,
+        plot,
+    )
 
 
 if __name__ == "__main__":

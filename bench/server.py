@@ -5,6 +5,7 @@ tierkv-server (cpu tier), tierkv-server (redis tier), raw redis-py SET/GET of th
 bytes, and a raw loopback TCP transfer (the ceiling), plus Lookup latency for 64 keys.
 Servers are real processes on loopback; clients share this process' event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,16 +15,16 @@ import statistics
 import struct
 import threading
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 import torch
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
+from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.storage_backends.segment import KVSegment
-from tests.services import RedisProcess, ServerProcess
 
 MiB = 1 << 20
 HDR = struct.Struct("<cQ")  # op (b"G" or b"P"), length
@@ -32,15 +33,23 @@ HDR = struct.Struct("<cQ")  # op (b"G" or b"P"), length
 def make_segment(mib: int, seed: int) -> KVSegment:
     """Bench-model layout (8 layers, 2 KV heads, head_dim 64, bf16): 4 KiB per token."""
     tokens = mib * MiB // 4096
-    kv = torch.randn(8, 2, tokens, 2, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    return KVSegment.from_tensor(kv, key=seed.to_bytes(16, "little"), tokens=torch.arange(tokens) % 32000,
-                                 fingerprint=b"bench")
+    kv = torch.randn(8, 2, tokens, 2, 64, generator=torch.Generator().manual_seed(seed)).to(
+        torch.bfloat16
+    )
+    return KVSegment.from_tensor(
+        kv,
+        key=seed.to_bytes(16, "little"),
+        tokens=torch.arange(tokens) % 32000,
+        fingerprint=b"bench",
+    )
 
 
 def tcp_server(nbytes: int) -> tuple[multiprocessing.Process, int]:
     """Loopback server process (as the other servers are): 'G' sends n bytes, 'P' reads n, acks."""
     srv = socket.create_server(("127.0.0.1", 0))
-    proc = multiprocessing.get_context("fork").Process(target=_tcp_serve, args=(srv, nbytes), daemon=True)
+    proc = multiprocessing.get_context("fork").Process(
+        target=_tcp_serve, args=(srv, nbytes), daemon=True
+    )
     proc.start()
     port = srv.getsockname()[1]
     srv.close()  # the child holds its own copy
@@ -60,6 +69,7 @@ def _tcp_serve(srv: socket.socket, nbytes: int) -> None:
                 else:
                     _recv_into(conn, sink[:n])
                     conn.sendall(b"k")
+
     while True:
         conn, _ = srv.accept()
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
@@ -85,20 +95,31 @@ async def rounds(fn: Callable[[int, int], Awaitable[None]], clients: int, repeat
     return statistics.median(times)
 
 
-async def bench_tierkv(target: str, segs: dict[int, KVSegment], clients: int, repeat: int) -> tuple[float, float]:
+async def bench_tierkv(
+    target: str, segs: dict[int, KVSegment], clients: int, repeat: int
+) -> tuple[float, float]:
     tiers = [RemoteTier(target=target) for _ in range(clients)]
     seg = next(iter(segs.values()))
-    keys = {(c, r): (c * 1000 + r + 7).to_bytes(16, "little") for c in range(clients) for r in range(-1, repeat)}
+    keys = {
+        (c, r): (c * 1000 + r + 7).to_bytes(16, "little")
+        for c in range(clients)
+        for r in range(-1, repeat)
+    }
 
     async def put(c: int, r: int) -> None:
-        s = KVSegment.from_tensor(seg.payload, key=keys[(c, r)], tokens=seg.tokens, fingerprint=seg.fingerprint)
+        s = KVSegment.from_tensor(
+            seg.payload, key=keys[(c, r)], tokens=seg.tokens, fingerprint=seg.fingerprint
+        )
         s.checksums = seg.checksums  # same payload: skip recomputing
         assert await tiers[c].put(s.key, s)
 
-    outs = [torch.empty_like(seg.payload) for _ in range(clients)]  # reused, as a connector's staging buffer
+    outs = [
+        torch.empty_like(seg.payload) for _ in range(clients)
+    ]  # reused, as a connector's staging buffer
 
     async def get(c: int, r: int) -> None:
         assert await tiers[c].get(keys[(c, r)], out=outs[c]) is not None
+
     t_put = await rounds(put, clients, repeat)
     t_get = await rounds(get, clients, repeat)
     for t in tiers:
@@ -117,6 +138,7 @@ async def bench_redis(url: str, value: bytearray, clients: int, repeat: int) -> 
 
     async def get(c: int, i: int) -> None:
         assert len(await r.get(f"raw:{c}:{i}")) == len(value)
+
     t_put = await rounds(put, clients, repeat)
     t_get = await rounds(get, clients, repeat)
     await r.flushall()
@@ -147,6 +169,7 @@ def bench_tcp(port: int, nbytes: int, clients: int, repeat: int) -> tuple[float,
                 t.join()
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
+
     out = timed(b"P"), timed(b"G")
     for c in conns:
         c.close()
@@ -172,9 +195,21 @@ async def main() -> None:
     sizes, conc = [4, 32], [1, 4]
     repeat = 3 if args.quick else 7
     redis = RedisProcess(extra=["--maxmemory", "4gb"]).start()
-    cpu_srv = ServerProcess(args=["--cpu-bytes", "2GiB", "--disk-bytes", "0"]).start()  # holds every round
-    redis_srv = ServerProcess(args=["--cpu-bytes", "0", "--disk-bytes", "0", "--redis-url", redis.url,
-                                    "--redis-timeout-s", "10"]).start()
+    cpu_srv = ServerProcess(
+        args=["--cpu-bytes", "2GiB", "--disk-bytes", "0"]
+    ).start()  # holds every round
+    redis_srv = ServerProcess(
+        args=[
+            "--cpu-bytes",
+            "0",
+            "--disk-bytes",
+            "0",
+            "--redis-url",
+            redis.url,
+            "--redis-timeout-s",
+            "10",
+        ]
+    ).start()
     rows = []
     cases = [(mib, c) for mib in sizes for c in conc]
     bar = tqdm(total=len(cases) * 4, desc="bench.server", unit="case")
@@ -184,50 +219,110 @@ async def main() -> None:
             value = seg.encode()  # the very bytes tierkv moves, for redis-py and TCP
             tcp, port = tcp_server(len(value))
             results = {}
-            results["tierkv-server (cpu tier)"] = await bench_tierkv(cpu_srv.target, {0: seg}, c, repeat)
+            results["tierkv-server (cpu tier)"] = await bench_tierkv(
+                cpu_srv.target, {0: seg}, c, repeat
+            )
             bar.update()
-            results["tierkv-server (redis tier)"] = await bench_tierkv(redis_srv.target, {0: seg}, c, repeat)
+            results["tierkv-server (redis tier)"] = await bench_tierkv(
+                redis_srv.target, {0: seg}, c, repeat
+            )
             bar.update()
             results["redis-py SET/GET"] = await bench_redis(redis.url, value, c, repeat)
             bar.update()
-            results["loopback TCP"] = await asyncio.to_thread(bench_tcp, port, len(value), c, 3 * repeat)
+            results["loopback TCP"] = await asyncio.to_thread(
+                bench_tcp, port, len(value), c, 3 * repeat
+            )
             bar.update()
             tcp.kill()
             for system, (tp, tg) in results.items():
                 gb = c * len(value) / 1e9
-                rows.append({"system": system, "size_mib": mib, "clients": c, "put_gbps": gb / tp,
-                             "get_gbps": gb / tg, "put_ms": tp * 1e3, "get_ms": tg * 1e3})
+                rows.append(
+                    {
+                        "system": system,
+                        "size_mib": mib,
+                        "clients": c,
+                        "put_gbps": gb / tp,
+                        "get_gbps": gb / tg,
+                        "put_ms": tp * 1e3,
+                        "get_ms": tg * 1e3,
+                    }
+                )
         bar.close()
         p50, p99 = await bench_lookup(cpu_srv.target, 200 if args.quick else 1000)
-        rows.append({"system": "tierkv-server Lookup 64 keys", "size_mib": 0, "clients": 1,
-                     "lookup_p50_ms": p50 * 1e3, "lookup_p99_ms": p99 * 1e3})
+        rows.append(
+            {
+                "system": "tierkv-server Lookup 64 keys",
+                "size_mib": 0,
+                "clients": 1,
+                "lookup_p50_ms": p50 * 1e3,
+                "lookup_p99_ms": p99 * 1e3,
+            }
+        )
     finally:
         cpu_srv.stop(kill=True)
         redis_srv.stop(kill=True)
         redis.stop(kill=True)
-    print_table(rows, ["system", "size_mib", "clients", "put_gbps", "get_gbps", "put_ms", "get_ms",
-                       "lookup_p50_ms", "lookup_p99_ms"])
+    print_table(
+        rows,
+        [
+            "system",
+            "size_mib",
+            "clients",
+            "put_gbps",
+            "get_gbps",
+            "put_ms",
+            "get_ms",
+            "lookup_p50_ms",
+            "lookup_p99_ms",
+        ],
+    )
 
     def at(system: str, mib: int, c: int) -> dict:
-        return next(r for r in rows if r["system"] == system and r["size_mib"] == mib and r["clients"] == c)
+        return next(
+            r for r in rows if r["system"] == system and r["size_mib"] == mib and r["clients"] == c
+        )
+
     grpc_get = at("tierkv-server (cpu tier)", 32, 1)["get_gbps"]
-    goals = [goal("cpu-tier get via gRPC / loopback TCP get, 32 MiB, 1 client", grpc_get /
-                  at("loopback TCP", 32, 1)["get_gbps"], ">=", 0.40, "ratio"),
-             goal("cpu-tier get via gRPC / redis-py GET, 32 MiB, 1 client", grpc_get /
-                  at("redis-py SET/GET", 32, 1)["get_gbps"], ">=", 1.0, "ratio"),
-             goal("Lookup of 64 keys, p50", rows[-1]["lookup_p50_ms"], "<=", 1.0, "ms")]
+    goals = [
+        goal(
+            "cpu-tier get via gRPC / loopback TCP get, 32 MiB, 1 client",
+            grpc_get / at("loopback TCP", 32, 1)["get_gbps"],
+            ">=",
+            0.40,
+            "ratio",
+        ),
+        goal(
+            "cpu-tier get via gRPC / redis-py GET, 32 MiB, 1 client",
+            grpc_get / at("redis-py SET/GET", 32, 1)["get_gbps"],
+            ">=",
+            1.0,
+            "ratio",
+        ),
+        goal("Lookup of 64 keys, p50", rows[-1]["lookup_p50_ms"], "<=", 1.0, "ms"),
+    ]
 
     def plot(ax) -> None:
         systems = [s for s in dict.fromkeys(r["system"] for r in rows) if "Lookup" not in s]
         labels = [f"{m}MiB x{c}" for m, c in cases]
         w = 0.8 / len(systems)
         for i, s in enumerate(systems):
-            ax.bar([j + i * w for j in range(len(cases))], [at(s, m, c)["get_gbps"] for m, c in cases], w, label=s)
+            ax.bar(
+                [j + i * w for j in range(len(cases))],
+                [at(s, m, c)["get_gbps"] for m, c in cases],
+                w,
+                label=s,
+            )
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))], labels)
         ax.set_ylabel("get throughput (GB/s)")
         ax.legend(fontsize=8)
-    write_results("server", {"quick": args.quick, "repeat": repeat, "sizes_mib": sizes, "clients": conc},
-                  rows, goals, plot)
+
+    write_results(
+        "server",
+        {"quick": args.quick, "repeat": repeat, "sizes_mib": sizes, "clients": conc},
+        rows,
+        goals,
+        plot,
+    )
 
 
 if __name__ == "__main__":

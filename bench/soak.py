@@ -16,6 +16,7 @@ clients resume. `lost` counts listed keys missing or wrong.
 Memory: peak RSS must stay under the idle server's RSS + cpu capacity + receive pool +
 OVERHEAD (gRPC buffers and segments in flight: 8 clients x a few 128 KiB copies).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,9 +31,9 @@ import xxhash
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
+from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.storage_backends.segment import KVSegment
-from tests.services import RedisProcess, ServerProcess
 
 MiB = 1 << 20
 CLIENTS, SLOTS = 8, 64  # each client owns SLOTS keys: 512 x 128 KiB = 64 MiB, over the cpu tier
@@ -56,7 +57,9 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def segment_of(key: bytes) -> KVSegment:
-    return KVSegment.from_tensor(payload_of(key), key=key, tokens=range(SHAPE[2]), fingerprint=b"soak")
+    return KVSegment.from_tensor(
+        payload_of(key), key=key, tokens=range(SHAPE[2]), fingerprint=b"soak"
+    )
 
 
 @dataclass(slots=True)
@@ -98,7 +101,9 @@ class Soak:
                 self.parked -= 1
                 continue
             try:
-                await self.one(tier, key_of(c, int(rng.integers(SLOTS))), rng.random(), rng, c, stored)
+                await self.one(
+                    tier, key_of(c, int(rng.integers(SLOTS))), rng.random(), rng, c, stored
+                )
             except Exception as e:  # the contract says never; count it if it happens
                 self.tally.err(f"exception:{type(e).__name__}")
         for _ in range(tier.stats().errors):
@@ -122,7 +127,11 @@ class Soak:
                     t.err("miss of a stored key")
             else:
                 want = flat(self.segs[key].payload)
-                have = flat(got.payload) if got.payload.shape == SHAPE and got.dtype == "float16" else None
+                have = (
+                    flat(got.payload)
+                    if got.payload.shape == SHAPE and got.dtype == "float16"
+                    else None
+                )
                 t.wrong_bytes += want.numel() if have is None else int((have != want).sum())
                 t.bytes += want.numel()
             t.op("get")
@@ -153,20 +162,33 @@ class Soak:
         """Kill (SIGKILL) or stop (SIGTERM) the server, restart it on the same directory and
         check every segment its disk tier had durably written."""
         await asyncio.to_thread(self.server.stop, kill)
-        durable = [bytes.fromhex(p.stem) for p in (self.server.cache_dir / "disk" / "default").glob("*.tkv")]
+        durable = [
+            bytes.fromhex(p.stem)
+            for p in (self.server.cache_dir / "disk" / "default").glob("*.tkv")
+        ]
         await asyncio.sleep(1.0)  # the clients keep trying against a dead server
         await self.park()
         await asyncio.to_thread(self.server.start)
         check = RemoteTier(target=self.server.target, timeout_s=10.0, retries=100)
         present = await check.contains(durable)
         if check.stats().errors:
-            raise RuntimeError("the restarted server did not answer Lookup: cannot check durability")
+            raise RuntimeError(
+                "the restarted server did not answer Lookup: cannot check durability"
+            )
+
         async def verify(k: bytes, p: bool) -> bool:
             got, want = (await check.get(k) if p else None), self.segs.get(k)
-            return got is not None and want is not None and torch.equal(flat(got.payload), flat(want.payload))
+            return (
+                got is not None
+                and want is not None
+                and torch.equal(flat(got.payload), flat(want.payload))
+            )
+
         for i in range(0, len(durable), 16):
-            part = durable[i:i + 16]
-            self.lost += sum(not ok for ok in await asyncio.gather(*map(verify, part, present[i:i + 16])))
+            part = durable[i : i + 16]
+            self.lost += sum(
+                not ok for ok in await asyncio.gather(*map(verify, part, present[i : i + 16]))
+            )
         self.durable_checked += len(durable)
         await check.close()
         self.go.set()
@@ -183,8 +205,20 @@ def rate(done: np.ndarray, a: float, b: float) -> float:
 
 async def run(duration: float, quick: bool) -> tuple[list[dict], list[dict], dict]:
     redis = RedisProcess().start()
-    server = ServerProcess(args=["--cpu-bytes", str(CPU), "--disk-bytes", str(DISK), "--recv-pool-bytes",
-                                 str(POOL), "--redis-url", redis.url, "--redis-timeout-s", "0.5"]).start()
+    server = ServerProcess(
+        args=[
+            "--cpu-bytes",
+            str(CPU),
+            "--disk-bytes",
+            str(DISK),
+            "--recv-pool-bytes",
+            str(POOL),
+            "--redis-url",
+            redis.url,
+            "--redis-timeout-s",
+            "0.5",
+        ]
+    ).start()
     await asyncio.sleep(1.0)
     idle_rss = psutil.Process(server.proc.pid).memory_info().rss
     s = Soak(server, redis)
@@ -196,14 +230,19 @@ async def run(duration: float, quick: bool) -> tuple[list[dict], list[dict], dic
     warm = RemoteTier(target=server.target)
     keys = list(s.segs)
     for i in range(0, len(keys), 16):
-        await asyncio.gather(*(warm.put(k, s.segs[k]) for k in keys[i:i + 16]))
+        await asyncio.gather(*(warm.put(k, s.segs[k]) for k in keys[i : i + 16]))
     await warm.close()
     s.go.set()
-    sched = [(0.3, "redis restart"), (0.65, "server SIGKILL")] if quick else \
-        [(0.2, "redis restart"), (0.45, "server SIGKILL"), (0.7, "server SIGTERM")]
+    sched = (
+        [(0.3, "redis restart"), (0.65, "server SIGKILL")]
+        if quick
+        else [(0.2, "redis restart"), (0.45, "server SIGKILL"), (0.7, "server SIGTERM")]
+    )
     leak = max(4.0, duration / 4)
     t0 = time.monotonic()
-    tasks = [asyncio.create_task(s.client(c)) for c in range(CLIENTS)] + [asyncio.create_task(s.sample_rss())]
+    tasks = [asyncio.create_task(s.client(c)) for c in range(CLIENTS)] + [
+        asyncio.create_task(s.sample_rss())
+    ]
     faults, marks = [], {}
     bar = tqdm(total=int(duration + 2 * leak), desc="soak", unit="s")
     for frac, name in sched:
@@ -214,13 +253,17 @@ async def run(duration: float, quick: bool) -> tuple[list[dict], list[dict], dic
         else:
             await s.restart_server(kill=name.endswith("KILL"))
         faults.append((name, start - t0, time.monotonic() - t0))
-        bar.n = int(time.monotonic() - t0); bar.refresh()
-    calm = max(t0 + duration, t0 + faults[-1][2] + 5.0)  # leak periods start once the last fault is over
+        bar.n = int(time.monotonic() - t0)
+        bar.refresh()
+    calm = max(
+        t0 + duration, t0 + faults[-1][2] + 5.0
+    )  # leak periods start once the last fault is over
     for i, phase in enumerate(("fault phase", "leak period 1", "leak period 2")):
         end = calm + i * leak
         while time.monotonic() < end:
             await asyncio.sleep(min(1.0, max(0.0, end - time.monotonic())))
-            bar.n = int(time.monotonic() - t0); bar.refresh()
+            bar.n = int(time.monotonic() - t0)
+            bar.refresh()
         marks[phase] = end - t0
     bar.close()
     s.stop = True
@@ -234,28 +277,55 @@ async def run(duration: float, quick: bool) -> tuple[list[dict], list[dict], dic
     rss = np.array([(t - t0, v) for t, v in s.rss])
     fault_rows, prev_end = [], 2.0  # the first 2 s are warm-up
     for j, (name, a, b) in enumerate(faults):
-        until = faults[j + 1][1] if j + 1 < len(faults) else bounds[-1]  # recovery must precede the next fault
+        until = (
+            faults[j + 1][1] if j + 1 < len(faults) else bounds[-1]
+        )  # recovery must precede the next fault
         lo = max(prev_end, a - 5.0)  # the pre-fault level: up to 5 s before, after the last fault
         pre = rate(done, lo, a)
         # back: the first moment from which 2 s average 80% of the level before (the machine
         # is shared and noisy: single 0.5 s bins swing by 2x with no fault at all)
-        back = next((t for t in np.arange(b, until - 2.0, BIN) if rate(done, t, t + 2.0) >= 0.8 * pre), None)
-        fault_rows.append({"fault": name, "start_s": round(a, 2), "end_s": round(b, 2), "pre_ops_s": pre,
-                           "recovered_after_s": float(back - b) if back is not None else float("inf")})
+        back = next(
+            (t for t in np.arange(b, until - 2.0, BIN) if rate(done, t, t + 2.0) >= 0.8 * pre), None
+        )
+        fault_rows.append(
+            {
+                "fault": name,
+                "start_s": round(a, 2),
+                "end_s": round(b, 2),
+                "pre_ops_s": pre,
+                "recovered_after_s": float(back - b) if back is not None else float("inf"),
+            }
+        )
         prev_end = b
     phase_rows = []
     for i, phase in enumerate(marks):
         a, b = bounds[i], bounds[i + 1]
         in_rss = rss[(rss[:, 0] >= a) & (rss[:, 0] < b)] if len(rss) else rss
-        phase_rows.append({"phase": phase, "seconds": round(b - a, 1), "ops": int(((done >= a) & (done < b)).sum()),
-                           "ops_s": rate(done, a, b), "peak_rss_MiB": float(in_rss[:, 1].max() / MiB),
-                           "end_rss_MiB": float(in_rss[-4:, 1].mean() / MiB)})
-    summary = {"ops": s.tally.ops, "errors": s.tally.errors, "MiB": s.tally.bytes / MiB,
-               "wrong_bytes": s.tally.wrong_bytes, "lost_durable": s.lost, "durable_checked": s.durable_checked,
-               "faults": len(faults), "idle_rss_MiB": idle_rss / MiB,
-               "rss_bound_MiB": (idle_rss + CPU + POOL + OVERHEAD) / MiB,
-               "bins": [[float(t), rate(done, t, t + BIN)] for t in np.arange(0, bounds[-1], BIN)],
-               "rss": [[float(t), float(v / MiB)] for t, v in rss], "fault_windows": faults, "bounds": bounds}
+        phase_rows.append(
+            {
+                "phase": phase,
+                "seconds": round(b - a, 1),
+                "ops": int(((done >= a) & (done < b)).sum()),
+                "ops_s": rate(done, a, b),
+                "peak_rss_MiB": float(in_rss[:, 1].max() / MiB),
+                "end_rss_MiB": float(in_rss[-4:, 1].mean() / MiB),
+            }
+        )
+    summary = {
+        "ops": s.tally.ops,
+        "errors": s.tally.errors,
+        "MiB": s.tally.bytes / MiB,
+        "wrong_bytes": s.tally.wrong_bytes,
+        "lost_durable": s.lost,
+        "durable_checked": s.durable_checked,
+        "faults": len(faults),
+        "idle_rss_MiB": idle_rss / MiB,
+        "rss_bound_MiB": (idle_rss + CPU + POOL + OVERHEAD) / MiB,
+        "bins": [[float(t), rate(done, t, t + BIN)] for t in np.arange(0, bounds[-1], BIN)],
+        "rss": [[float(t), float(v / MiB)] for t, v in rss],
+        "fault_windows": faults,
+        "bounds": bounds,
+    }
     return phase_rows, fault_rows, summary
 
 
@@ -268,19 +338,36 @@ def main() -> None:
     phases, faults, s = asyncio.run(run(duration, args.quick))
     print_table(phases)
     print_table(faults)
-    print(f"ops {s['ops']}, {s['MiB']:.0f} MiB verified/moved, faults {s['faults']}, errors {s['errors']}")
-    print(f"wrong bytes {s['wrong_bytes']}, durable segments checked {s['durable_checked']}, "
-          f"lost {s['lost_durable']}; idle RSS {s['idle_rss_MiB']:.0f} MiB, bound {s['rss_bound_MiB']:.0f} MiB")
+    print(
+        f"ops {s['ops']}, {s['MiB']:.0f} MiB verified/moved, faults {s['faults']}, errors {s['errors']}"
+    )
+    print(
+        f"wrong bytes {s['wrong_bytes']}, durable segments checked {s['durable_checked']}, "
+        f"lost {s['lost_durable']}; idle RSS {s['idle_rss_MiB']:.0f} MiB, bound {s['rss_bound_MiB']:.0f} MiB"
+    )
     peak = max(r["peak_rss_MiB"] for r in phases)
-    goals = [goal("wrong bytes served", s["wrong_bytes"], "<=", 0, "B"),
-             goal("durable segments lost", s["lost_durable"], "<=", 0, "segments"),
-             goal("exceptions reaching a client", sum(v for k, v in s["errors"].items()
-                                                      if k.startswith("exception")), "<=", 0),
-             goal("peak server RSS", peak, "<=", s["rss_bound_MiB"], "MiB"),
-             goal("RSS growth, leak period 2 over 1", phases[2]["end_rss_MiB"] - phases[1]["end_rss_MiB"],
-                  "<=", 16, "MiB")]
-    goals += [goal(f"back to 80% throughput after {f['fault']}", f["recovered_after_s"], "<=", 5.0, "s")
-              for f in faults]
+    goals = [
+        goal("wrong bytes served", s["wrong_bytes"], "<=", 0, "B"),
+        goal("durable segments lost", s["lost_durable"], "<=", 0, "segments"),
+        goal(
+            "exceptions reaching a client",
+            sum(v for k, v in s["errors"].items() if k.startswith("exception")),
+            "<=",
+            0,
+        ),
+        goal("peak server RSS", peak, "<=", s["rss_bound_MiB"], "MiB"),
+        goal(
+            "RSS growth, leak period 2 over 1",
+            phases[2]["end_rss_MiB"] - phases[1]["end_rss_MiB"],
+            "<=",
+            16,
+            "MiB",
+        ),
+    ]
+    goals += [
+        goal(f"back to 80% throughput after {f['fault']}", f["recovered_after_s"], "<=", 5.0, "s")
+        for f in faults
+    ]
 
     def plot(ax) -> None:
         t, r = zip(*s["bins"])
@@ -290,19 +377,31 @@ def main() -> None:
             ax.text(a, max(r) * 0.95, name, fontsize=7, rotation=90, va="top")
         for x in s["bounds"][1:3]:  # where the two leak periods begin
             ax.axvline(x, color="green", ls="--", lw=0.8)
-        ax.set_xlabel("seconds (dashed: leak periods 1 and 2 begin)"); ax.set_ylabel("ops/s")
+        ax.set_xlabel("seconds (dashed: leak periods 1 and 2 begin)")
+        ax.set_ylabel("ops/s")
         ax2 = ax.twinx()
         rt, rv = zip(*s["rss"])
         ax2.plot(rt, rv, color="gray", lw=0.8, label="server RSS (MiB)")
         ax2.set_ylabel("server RSS (MiB)")
         ax.legend(loc="lower left")
 
-    config = {"duration_s": duration, "quick": args.quick, "clients": CLIENTS, "keys": CLIENTS * SLOTS,
-              "segment_bytes": int(np.prod(SHAPE)) * 2, "cpu_bytes": CPU, "disk_bytes": DISK,
-              "recv_pool_bytes": POOL, "overhead_bytes": OVERHEAD, "summary": {k: v for k, v in s.items()
-                                                                                if k not in ("bins", "rss", "bounds")}}
-    rows = [{"row": "phase", **r} for r in phases] + [{"row": "fault", **f} for f in faults] + \
-        [{"row": "bin", "t_s": t, "ops_s": v} for t, v in s["bins"]]
+    config = {
+        "duration_s": duration,
+        "quick": args.quick,
+        "clients": CLIENTS,
+        "keys": CLIENTS * SLOTS,
+        "segment_bytes": int(np.prod(SHAPE)) * 2,
+        "cpu_bytes": CPU,
+        "disk_bytes": DISK,
+        "recv_pool_bytes": POOL,
+        "overhead_bytes": OVERHEAD,
+        "summary": {k: v for k, v in s.items() if k not in ("bins", "rss", "bounds")},
+    }
+    rows = (
+        [{"row": "phase", **r} for r in phases]
+        + [{"row": "fault", **f} for f in faults]
+        + [{"row": "bin", "t_s": t, "ops_s": v} for t, v in s["bins"]]
+    )
     write_results("soak", config, rows, goals, plot)
 
 

@@ -4,6 +4,7 @@ the cpu tier's memory (its used bytes and the process RSS) under a long sequence
 
     python -m bench.tiers [--quick]
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,12 @@ TOKEN_BYTES = L * 2 * H * D * 2
 
 def segment(payload: torch.Tensor, i: int) -> KVSegment:
     T = payload.numel() // (L * 2 * H * D)
-    return KVSegment.from_tensor(payload.view(L, 2, T, H, D), key=i.to_bytes(16, "little"),
-                                 tokens=np.arange(T), fingerprint=b"bench")
+    return KVSegment.from_tensor(
+        payload.view(L, 2, T, H, D),
+        key=i.to_bytes(16, "little"),
+        tokens=np.arange(T),
+        fingerprint=b"bench",
+    )
 
 
 def uncache(path: Path) -> None:
@@ -63,7 +68,10 @@ async def paired(fa, fb, repeat: int, setup=None) -> tuple[float, float]:
 async def throughput(size: int, repeat: int, root: Path) -> list[dict]:
     src = torch.randn(size // 2, generator=torch.Generator().manual_seed(size)).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    src_mv, dst_mv = memoryview(src.view(torch.uint8).numpy()), memoryview(dst.view(torch.uint8).numpy())
+    src_mv, dst_mv = (
+        memoryview(src.view(torch.uint8).numpy()),
+        memoryview(dst.view(torch.uint8).numpy()),
+    )
     plain = root / f"plain-{size}.bin"
     rows = []
 
@@ -80,10 +88,12 @@ async def throughput(size: int, repeat: int, root: Path) -> list[dict]:
             f.readinto(dst_mv)
 
     # capacity for 2 segments and a bit: puts evict in steady state, as in service
-    tiers = [GpuTier(GpuTierConfig(capacity_bytes=3 * size)),
-             CpuTier(CpuTierConfig(capacity_bytes=3 * size)),
-             CpuTier(CpuTierConfig(capacity_bytes=3 * size, verify_gets=True)),
-             DiskTier(DiskTierConfig(root=root / f"disk-{size}", capacity_bytes=3 * size))]
+    tiers = [
+        GpuTier(GpuTierConfig(capacity_bytes=3 * size)),
+        CpuTier(CpuTierConfig(capacity_bytes=3 * size)),
+        CpuTier(CpuTierConfig(capacity_bytes=3 * size, verify_gets=True)),
+        DiskTier(DiskTierConfig(root=root / f"disk-{size}", capacity_bytes=3 * size)),
+    ]
     segs = [segment(src, i + 1) for i in range(-1, repeat)]
     await file_write(0)
     for tier in tiers:
@@ -95,15 +105,48 @@ async def throughput(size: int, repeat: int, root: Path) -> list[dict]:
 
         async def get(i):
             assert await tier.get(segs[-1].key, out=dst) is not None
-        cases = [("put", put, file_write if on_disk else memcpy, "file write+fsync" if on_disk else "memcpy", None),
-                 ("get", get, file_read if on_disk else memcpy, "file read" if on_disk else "memcpy", None)]
+
+        cases = [
+            (
+                "put",
+                put,
+                file_write if on_disk else memcpy,
+                "file write+fsync" if on_disk else "memcpy",
+                None,
+            ),
+            (
+                "get",
+                get,
+                file_read if on_disk else memcpy,
+                "file read" if on_disk else "memcpy",
+                None,
+            ),
+        ]
         if on_disk:
             file = root / f"disk-{size}" / "default" / f"{segs[-1].key.hex()}.tkv"
-            cases.append(("get cold", get, file_read, "file read cold", lambda: (uncache(file), uncache(plain))))
+            cases.append(
+                (
+                    "get cold",
+                    get,
+                    file_read,
+                    "file read cold",
+                    lambda: (uncache(file), uncache(plain)),
+                )
+            )
         for op, fn, base_fn, base, setup in cases:
             t, tb = await paired(fn, base_fn, repeat, setup)
-            rows.append({"tier": name, "op": op, "size_mib": size // MiB, "ms": t * 1e3, "gbps": size / t / 1e9,
-                         "baseline": base, "baseline_gbps": size / tb / 1e9, "vs_baseline": tb / t})
+            rows.append(
+                {
+                    "tier": name,
+                    "op": op,
+                    "size_mib": size // MiB,
+                    "ms": t * 1e3,
+                    "gbps": size / t / 1e9,
+                    "baseline": base,
+                    "baseline_gbps": size / tb / 1e9,
+                    "vs_baseline": tb / t,
+                }
+            )
             if op.startswith("get"):
                 assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
         await tier.close()
@@ -119,12 +162,17 @@ async def memory(capacity: int, num_puts: int) -> dict:
     rss0, max_used, max_growth = proc.memory_info().rss, 0, 0
     for i in tqdm(range(num_puts), desc="cpu tier memory", leave=False):
         tokens = rng.randrange(1, 8 * MiB // TOKEN_BYTES + 1)
-        await tier.put(i.to_bytes(16, "little"), segment(src[:tokens * TOKEN_BYTES // 2], i))
+        await tier.put(i.to_bytes(16, "little"), segment(src[: tokens * TOKEN_BYTES // 2], i))
         max_used = max(max_used, tier.used_bytes)
         max_growth = max(max_growth, proc.memory_info().rss - rss0)
     tier.check_integrity()
-    return {"capacity_mib": capacity / MiB, "puts": num_puts, "max_used_mib": max_used / MiB,
-            "max_rss_growth_mib": max_growth / MiB, "evictions": tier.stats().evictions}
+    return {
+        "capacity_mib": capacity / MiB,
+        "puts": num_puts,
+        "max_used_mib": max_used / MiB,
+        "max_rss_growth_mib": max_growth / MiB,
+        "evictions": tier.stats().evictions,
+    }
 
 
 def main() -> None:
@@ -135,23 +183,46 @@ def main() -> None:
     rows: list[dict] = []
 
     async def run() -> dict:
-        with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=os.environ.get("TIERKV_BENCH_DIR")) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix="tierkv-bench-", dir=os.environ.get("TIERKV_BENCH_DIR")
+        ) as tmp:
             for size in tqdm(sizes, desc="tier throughput"):
                 rows.extend(await throughput(size, repeat, Path(tmp)))
         return await memory(capacity, num_puts)
+
     mem = asyncio.run(run())
 
     def ratio(tier: str, op: str, size: int) -> float:
-        return next(r["vs_baseline"] for r in rows if (r["tier"], r["op"], r["size_mib"]) == (tier, op, size // MiB))
-    print_table(rows, ["tier", "op", "size_mib", "ms", "gbps", "baseline", "baseline_gbps", "vs_baseline"])
+        return next(
+            r["vs_baseline"]
+            for r in rows
+            if (r["tier"], r["op"], r["size_mib"]) == (tier, op, size // MiB)
+        )
+
+    print_table(
+        rows, ["tier", "op", "size_mib", "ms", "gbps", "baseline", "baseline_gbps", "vs_baseline"]
+    )
     print_table([mem])
-    goals = [goal(f"cpu get {s // MiB} MiB / memcpy", ratio("cpu", "get", s), ">=", 0.5) for s in sizes[1:]]
+    goals = [
+        goal(f"cpu get {s // MiB} MiB / memcpy", ratio("cpu", "get", s), ">=", 0.5)
+        for s in sizes[1:]
+    ]
     for op in ("get", "get cold"):
-        goals += [goal(f"disk {op} {s // MiB} MiB / file read{op[3:]}", ratio("disk", op, s), ">=", 0.5)
-                  for s in sizes]
+        goals += [
+            goal(f"disk {op} {s // MiB} MiB / file read{op[3:]}", ratio("disk", op, s), ">=", 0.5)
+            for s in sizes
+        ]
     overhead = 16  # MiB: interpreter, allocator slack and one segment's header, beyond the buffer
     goals.append(goal("cpu tier used bytes", mem["max_used_mib"], "<=", mem["capacity_mib"], "MiB"))
-    goals.append(goal("cpu tier RSS growth", mem["max_rss_growth_mib"], "<=", mem["capacity_mib"] + overhead, "MiB"))
+    goals.append(
+        goal(
+            "cpu tier RSS growth",
+            mem["max_rss_growth_mib"],
+            "<=",
+            mem["capacity_mib"] + overhead,
+            "MiB",
+        )
+    )
 
     def plot(ax) -> None:
         labels = [f"{r['tier']} {r['op']}" for r in rows if r["size_mib"] == 1]
@@ -162,8 +233,20 @@ def main() -> None:
         ax.set_xticks(np.arange(len(labels)) + 0.27, labels, rotation=30, ha="right")
         ax.set_ylabel("throughput / baseline of the same run (memcpy, file write, file read)")
         ax.legend()
-    write_results("tiers", {"sizes_mib": [s // MiB for s in sizes], "repeat": repeat, "shape": [L, 2, "T", H, D],
-                            "dtype": "bfloat16", "memory": mem}, rows, goals, plot)
+
+    write_results(
+        "tiers",
+        {
+            "sizes_mib": [s // MiB for s in sizes],
+            "repeat": repeat,
+            "shape": [L, 2, "T", H, D],
+            "dtype": "bfloat16",
+            "memory": mem,
+        },
+        rows,
+        goals,
+        plot,
+    )
 
 
 if __name__ == "__main__":

@@ -5,25 +5,26 @@ Also decode speed with the connector attached and saving, against no connector.
 
     python -m bench.ttft [--quick]
 """
+
 from __future__ import annotations
 
 import shutil
-import time
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from bench.common import goal, median_time, parser, print_table, write_results
+from tests.services import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
-from tests.services import RedisProcess, ServerProcess
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SOURCES = ["cold", "prefix", "cpu", "disk", "server", "redis"]
@@ -34,8 +35,14 @@ def model_cfg(max_len: int) -> dict:
 
 
 def llm(cfg: dict, conn=None, prefix: bool = False, kv_bytes: int = 256 << 20) -> LLM:
-    return LLM(cfg, dtype="bfloat16", kv_cache_bytes=kv_bytes, enable_prefix_caching=prefix,
-               kv_connector=conn, max_num_batched_tokens=8192)
+    return LLM(
+        cfg,
+        dtype="bfloat16",
+        kv_cache_bytes=kv_bytes,
+        enable_prefix_caching=prefix,
+        kv_connector=conn,
+        max_num_batched_tokens=8192,
+    )
 
 
 def ttft(engine: LLM, prompt: list[int]) -> float:
@@ -55,7 +62,9 @@ def decode_speed(cfg: dict, conn, n: int, out_len: int) -> float:
     prompts = [torch.randint(0, cfg["vocab_size"], (512,), generator=g).tolist() for _ in range(n)]
     engine = llm(cfg, conn)
     sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm up
+    engine.generate(
+        prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False
+    )  # warm up
     outs = engine.generate(prompts, sp, use_tqdm=False)
     return statistics.median((out_len - 1) / o.metrics.decode_time for o in outs)
 
@@ -72,14 +81,24 @@ def main() -> None:
     try:
         chunk, remote = 256, f"grpc://{server.target}"
         # One writer whose put reaches every tier; one reader per source with only that tier.
-        writer = TierKVConnector(ConnectorConfig(chunk_size=chunk), tiers=[
-            CpuTier(CpuTierConfig(capacity_bytes="1GiB")),
-            DiskTier(DiskTierConfig(root=tmp / "disk", capacity_bytes="4GiB")),
-            ConnectorConfig(remote=remote).build_tiers()[-1],
-            RedisTier(RedisTierConfig(url=redis.url, timeout_s=10.0))])
-        readers = {"cpu": writer,
-                   "server": TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=remote)),
-                   "redis": TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=redis.url))}
+        writer = TierKVConnector(
+            ConnectorConfig(chunk_size=chunk),
+            tiers=[
+                CpuTier(CpuTierConfig(capacity_bytes="1GiB")),
+                DiskTier(DiskTierConfig(root=tmp / "disk", capacity_bytes="4GiB")),
+                ConnectorConfig(remote=remote).build_tiers()[-1],
+                RedisTier(RedisTierConfig(url=redis.url, timeout_s=10.0)),
+            ],
+        )
+        readers = {
+            "cpu": writer,
+            "server": TierKVConnector(
+                ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=remote)
+            ),
+            "redis": TierKVConnector(
+                ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=redis.url)
+            ),
+        }
         engines = {"cold": llm(cfg), "prefix": llm(cfg, prefix=True), "writer": llm(cfg, writer)}
         engines |= {k: llm(cfg, c) for k, c in readers.items() if k != "cpu"}
         engines["cpu"] = llm(cfg, writer)
@@ -87,41 +106,70 @@ def main() -> None:
         bar = tqdm(total=len(lengths) * len(SOURCES), desc="ttft")
         bw = memcpy_bw(32 << 20)
         for n in lengths:
-            prompt = torch.randint(0, cfg["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            times = {"cold": statistics.median(ttft(engines["cold"], prompt) for _ in range(max(2, reps - 2)))}
+            prompt = torch.randint(
+                0, cfg["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)
+            ).tolist()
+            times = {
+                "cold": statistics.median(
+                    ttft(engines["cold"], prompt) for _ in range(max(2, reps - 2))
+                )
+            }
             bar.update()
             ttft(engines["writer"], prompt)
             writer.flush()
             # A disk tier indexes its files when it starts, as after a restart: a fresh reader.
             if "disk" in readers:
                 readers.pop("disk").close()
-            readers["disk"] = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes=0,
-                                                              disk_dir=tmp / "disk", disk_bytes="4GiB"))
+            readers["disk"] = TierKVConnector(
+                ConnectorConfig(
+                    chunk_size=chunk, cpu_bytes=0, disk_dir=tmp / "disk", disk_bytes="4GiB"
+                )
+            )
             engines["disk"] = llm(cfg, readers["disk"])
             ttft(engines["prefix"], prompt)
             for src in SOURCES[1:]:
-                got = [engines[src].generate([prompt], FIRST, use_tqdm=False)[0].metrics for _ in range(reps)]
+                got = [
+                    engines[src].generate([prompt], FIRST, use_tqdm=False)[0].metrics
+                    for _ in range(reps)
+                ]
                 times[src] = statistics.median(m.ttft for m in got)
                 if src != "prefix":
                     loaded = got[-1].external_tokens
                     if loaded < n - chunk:
-                        raise RuntimeError(f"{src}: only {loaded} of {n} tokens loaded; the benchmark is broken")
+                        raise RuntimeError(
+                            f"{src}: only {loaded} of {n} tokens loaded; the benchmark is broken"
+                        )
                 bar.update()
             kv_bytes = n * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * 64 * 2
             floor = kv_bytes / bw + times["prefix"]
             for src in SOURCES:
-                rows.append({"tokens": n, "source": src, "ttft_ms": times[src] * 1e3,
-                             "speedup_vs_cold": times["cold"] / times[src],
-                             "floor_ms": floor * 1e3, "x_floor": times[src] / floor})
+                rows.append(
+                    {
+                        "tokens": n,
+                        "source": src,
+                        "ttft_ms": times[src] * 1e3,
+                        "speedup_vs_cold": times["cold"] / times[src],
+                        "floor_ms": floor * 1e3,
+                        "x_floor": times[src] / floor,
+                    }
+                )
         bar.close()
         # Alternate them so that the machine's load hits all alike; medians of the rounds. The
         # local saver keeps everything in this process; the remote one also feeds tierkv-server,
         # which shares this machine's two cores with the engine.
         local = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB"))
         shared = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB", remote=remote))
-        rounds = [(decode_speed(cfg, None, 4, 64), decode_speed(cfg, local, 4, 64), decode_speed(cfg, shared, 4, 64))
-                  for _ in range(3)]
-        base, attached, attached_remote = (statistics.median(r[i] for r in rounds) for i in range(3))
+        rounds = [
+            (
+                decode_speed(cfg, None, 4, 64),
+                decode_speed(cfg, local, 4, 64),
+                decode_speed(cfg, shared, 4, 64),
+            )
+            for _ in range(3)
+        ]
+        base, attached, attached_remote = (
+            statistics.median(r[i] for r in rounds) for i in range(3)
+        )
         local.close()
         shared.close()
         for c in readers.values():
@@ -133,18 +181,45 @@ def main() -> None:
         redis.stop(kill=True)
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
-    print(f"decode tok/s per request: no connector {base:.1f}, connector saving to its cpu tier {attached:.1f} "
-          f"({attached / base:.3f}x), to cpu + tierkv-server {attached_remote:.1f} ({attached_remote / base:.3f}x)")
+    print(
+        f"decode tok/s per request: no connector {base:.1f}, connector saving to its cpu tier {attached:.1f} "
+        f"({attached / base:.3f}x), to cpu + tierkv-server {attached_remote:.1f} ({attached_remote / base:.3f}x)"
+    )
     top = max(lengths)
     at = {r["source"]: r for r in rows if r["tokens"] == top}
-    goals = [goal(f"cpu tier TTFT speedup vs cold at {top}", at["cpu"]["speedup_vs_cold"], ">=", 50, "x"),
-             goal(f"disk tier TTFT speedup vs cold at {top}", at["disk"]["speedup_vs_cold"], ">=", 30, "x"),
-             goal(f"cache server TTFT speedup vs cold at {top}", at["server"]["speedup_vs_cold"], ">=", 30, "x"),
-             goal(f"redis TTFT speedup vs cold at {top}", at["redis"]["speedup_vs_cold"], ">=", 20, "x"),
-             goal(f"cpu tier TTFT / floor at {top}", at["cpu"]["x_floor"], "<=", 2.0, "x"),
-             goal("decode speed with connector (saving, cpu tier) / without", attached / base, ">=", 0.95, "x")]
-    rows.append({"tokens": 0, "source": "decode", "decode_tok_s_base": base, "decode_tok_s_connector": attached,
-                 "decode_tok_s_connector_remote": attached_remote})
+    goals = [
+        goal(
+            f"cpu tier TTFT speedup vs cold at {top}", at["cpu"]["speedup_vs_cold"], ">=", 50, "x"
+        ),
+        goal(
+            f"disk tier TTFT speedup vs cold at {top}", at["disk"]["speedup_vs_cold"], ">=", 30, "x"
+        ),
+        goal(
+            f"cache server TTFT speedup vs cold at {top}",
+            at["server"]["speedup_vs_cold"],
+            ">=",
+            30,
+            "x",
+        ),
+        goal(f"redis TTFT speedup vs cold at {top}", at["redis"]["speedup_vs_cold"], ">=", 20, "x"),
+        goal(f"cpu tier TTFT / floor at {top}", at["cpu"]["x_floor"], "<=", 2.0, "x"),
+        goal(
+            "decode speed with connector (saving, cpu tier) / without",
+            attached / base,
+            ">=",
+            0.95,
+            "x",
+        ),
+    ]
+    rows.append(
+        {
+            "tokens": 0,
+            "source": "decode",
+            "decode_tok_s_base": base,
+            "decode_tok_s_connector": attached,
+            "decode_tok_s_connector_remote": attached_remote,
+        }
+    )
 
     def plot(ax) -> None:
         for src in SOURCES:
@@ -158,8 +233,19 @@ def main() -> None:
         ax.set_ylabel("TTFT (ms)")
         ax.legend()
 
-    write_results("ttft", {"lengths": lengths, "reps": reps, "chunk_size": 256, "model": "bench bf16",
-                           "memcpy_GBps": bw / 1e9}, rows, goals, plot)
+    write_results(
+        "ttft",
+        {
+            "lengths": lengths,
+            "reps": reps,
+            "chunk_size": 256,
+            "model": "bench bf16",
+            "memcpy_GBps": bw / 1e9,
+        },
+        rows,
+        goals,
+        plot,
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Safety contract: a request body never names a namespace; without tokens configur
 every caller shares one default namespace; with tokens, a call without a valid token is
 aborted UNAUTHENTICATED before it touches the store. Tokens are compared in constant time.
 """
+
 from __future__ import annotations
 
 import hmac

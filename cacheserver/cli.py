@@ -1,10 +1,11 @@
 """`tierkv-server` (also `python -m cacheserver`): serve, or print a running server's stats.
 
-    tierkv-server --port 50051 --cache-dir /var/cache/tierkv --cpu-bytes 8GiB
-    tierkv-server --redis-url redis://10.0.0.7:6379/0 --tokens "$TOKEN=team-a"
-    tierkv-server stats --target 127.0.0.1:50051 [--token T] [--tls-ca ca.pem]
-    tierkv-server health --target 127.0.0.1:50051      # exit 0 when SERVING
+tierkv-server --port 50051 --cache-dir /var/cache/tierkv --cpu-bytes 8GiB
+tierkv-server --redis-url redis://10.0.0.7:6379/0 --tokens "$TOKEN=team-a"
+tierkv-server stats --target 127.0.0.1:50051 [--token T] [--tls-ca ca.pem]
+tierkv-server health --target 127.0.0.1:50051      # exit 0 when SERVING
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,20 @@ def build_store(c: cfg.ServerConfig) -> TieredStore:
     """cpu and disk under cache_dir (each unless its size is 0), then Redis when a URL is set."""
     tiers: list = [CpuTier(CpuTierConfig(capacity_bytes=c.cpu_bytes))] if c.cpu_bytes else []
     if c.disk_bytes:
-        tiers.append(DiskTier(DiskTierConfig(root=c.cache_path / "disk", capacity_bytes=c.disk_bytes)))
+        tiers.append(
+            DiskTier(DiskTierConfig(root=c.cache_path / "disk", capacity_bytes=c.disk_bytes))
+        )
     if c.redis_url:
-        tiers.append(RedisTier(RedisTierConfig(url=c.redis_url, cluster=c.redis_cluster, ttl_s=c.redis_ttl_s,
-                                               timeout_s=c.redis_timeout_s)))
+        tiers.append(
+            RedisTier(
+                RedisTierConfig(
+                    url=c.redis_url,
+                    cluster=c.redis_cluster,
+                    ttl_s=c.redis_ttl_s,
+                    timeout_s=c.redis_timeout_s,
+                )
+            )
+        )
     if not tiers:
         raise cfg.ConfigError("no tiers: set cpu_bytes, disk_bytes or redis_url")
     return TieredStore(tiers)
@@ -43,8 +54,11 @@ def build_store(c: cfg.ServerConfig) -> TieredStore:
 async def serve(c: cfg.ServerConfig, store: TieredStore) -> None:
     server = await Server.start(c, store)
     tiers = ", ".join(t.name for t in server.store.tiers)
-    print(f"tierkv-server listening on {c.host}:{server.port} (tiers: {tiers}; "
-          f"auth {'on' if c.auth else 'off'}; tls {'on' if c.tls_cert else 'off'})", flush=True)
+    print(
+        f"tierkv-server listening on {c.host}:{server.port} (tiers: {tiers}; "
+        f"auth {'on' if c.auth else 'off'}; tls {'on' if c.tls_cert else 'off'})",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -61,8 +75,9 @@ async def serve(c: cfg.ServerConfig, store: TieredStore) -> None:
 async def _stats(args: argparse.Namespace) -> int:
     from tierkv.cacheserver.client import RemoteTier
 
-    tier = RemoteTier(target=args.target, token=args.token, tls_ca=args.tls_ca, retries=0,
-                      timeout_s=args.timeout)
+    tier = RemoteTier(
+        target=args.target, token=args.token, tls_ca=args.tls_ca, retries=0, timeout_s=args.timeout
+    )
     r = await tier.server_stats()
     await tier.close()
     if r is None:
@@ -71,13 +86,24 @@ async def _stats(args: argparse.Namespace) -> int:
     rows = [["tier", "segments", "used", "capacity", "hits", "hit rate", "evictions", "errors"]]
     gets = max(r.gets, 1)
     for t in r.tiers:
-        rows.append([t.name, str(t.count), format_size(t.used_bytes),
-                     format_size(t.capacity_bytes) if t.capacity_bytes else "-", str(t.hits),
-                     f"{t.hits / gets:.1%}", str(t.evictions), str(t.errors)])
+        rows.append(
+            [
+                t.name,
+                str(t.count),
+                format_size(t.used_bytes),
+                format_size(t.capacity_bytes) if t.capacity_bytes else "-",
+                str(t.hits),
+                f"{t.hits / gets:.1%}",
+                str(t.evictions),
+                str(t.errors),
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    print(f"namespace {r.namespace}: {r.lookups} lookups, {r.puts} puts, {r.gets} gets "
-          f"({r.gets - sum(t.hits for t in r.tiers)} misses), in {format_size(r.bytes_in)}, "
-          f"out {format_size(r.bytes_out)}")
+    print(
+        f"namespace {r.namespace}: {r.lookups} lookups, {r.puts} puts, {r.gets} gets "
+        f"({r.gets - sum(t.hits for t in r.tiers)} misses), in {format_size(r.bytes_in)}, "
+        f"out {format_size(r.bytes_out)}"
+    )
     for row in rows:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     return 0
@@ -91,7 +117,9 @@ async def _health(args: argparse.Namespace) -> int:
 
     async with channel(args.target, args.tls_ca) as ch:
         try:
-            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+            r = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=args.timeout
+            )
         except grpc.aio.AioRpcError as e:
             print(f"{args.target}: {e.code().name}", file=sys.stderr)
             return 1
@@ -111,9 +139,13 @@ def _client_parser(name: str, what: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["health"]:
-        return asyncio.run(_health(_client_parser("health", "check a server's health").parse_args(argv[1:])))
+        return asyncio.run(
+            _health(_client_parser("health", "check a server's health").parse_args(argv[1:]))
+        )
     if argv[:1] == ["stats"]:
-        return asyncio.run(_stats(_client_parser("stats", "print a server's stats").parse_args(argv[1:])))
+        return asyncio.run(
+            _stats(_client_parser("stats", "print a server's stats").parse_args(argv[1:]))
+        )
     p = argparse.ArgumentParser(prog="tierkv-server", description="the tierkv gRPC cache server")
     cfg.add_arguments(p)
     args = p.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)

@@ -11,24 +11,32 @@ other failure is a miss or False, counted and logged, never an exception to the 
 before it is handed out. The namespace is the one the server maps this tier's token to;
 the `ns` arguments are checked for form and otherwise left to the server.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
 
 import grpc
 import torch
 
-from tierkv.cacheserver.auth import bearer
 from tierkv.cacheserver import wire
+from tierkv.cacheserver.auth import bearer
 from tierkv.cacheserver.frames import Assembly, put_wire
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
-from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
-                                   check_namespace)
+from tierkv.storage_backends.base import (
+    DEFAULT_NAMESPACE,
+    Latency,
+    LayerChunk,
+    Tier,
+    TierStats,
+    check_key,
+    check_namespace,
+)
 from tierkv.storage_backends.buffers import copy_into
 from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
 
@@ -41,15 +49,21 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
-def channel(target: str, tls_ca: str | bytes | None = None, frame_bytes: int = MiB) -> grpc.aio.Channel:
+def channel(
+    target: str, tls_ca: str | bytes | None = None, frame_bytes: int = MiB
+) -> grpc.aio.Channel:
     """An aio channel to target; TLS when tls_ca (PEM path or bytes) is given."""
     limit = frame_bytes + 128 * 1024
-    opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.http2.max_frame_size", (1 << 24) - 1),  # a 1 MiB message in one HTTP/2 frame
-            # gRPC's reconnect backoff grows to 120 s by default: after a long outage a client
-            # would miss for seconds after the server is back. Retry the connection every <= 1 s.
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)]
+    opts = [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.http2.max_frame_size", (1 << 24) - 1),  # a 1 MiB message in one HTTP/2 frame
+        # gRPC's reconnect backoff grows to 120 s by default: after a long outage a client
+        # would miss for seconds after the server is back. Retry the connection every <= 1 s.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
     if tls_ca is None:
         return grpc.aio.insecure_channel(target, options=opts)
     pem = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
@@ -58,13 +72,13 @@ def channel(target: str, tls_ca: str | bytes | None = None, frame_bytes: int = M
 
 @dataclass(slots=True, eq=False)
 class RemoteTier(Tier):
-    target: str                     # "host:port" of a tierkv-server
-    token: str | None = None        # bearer token (the server maps it to a namespace)
+    target: str  # "host:port" of a tierkv-server
+    token: str | None = None  # bearer token (the server maps it to a namespace)
     tls_ca: str | bytes | None = None  # CA certificate (PEM path or bytes): TLS on
-    timeout_s: float = 30.0         # deadline of each call
-    retries: int = 3                # extra attempts on UNAVAILABLE
-    backoff_s: float = 0.05         # first pause between attempts; doubles
-    frame_bytes: int = MiB          # payload frame size of puts
+    timeout_s: float = 30.0  # deadline of each call
+    retries: int = 3  # extra attempts on UNAVAILABLE
+    backoff_s: float = 0.05  # first pause between attempts; doubles
+    frame_bytes: int = MiB  # payload frame size of puts
     max_segment_bytes: int = 1 << 30  # largest segment accepted from the server
     name: str = "remote"
     _channel: grpc.aio.Channel | None = None
@@ -83,11 +97,16 @@ class RemoteTier(Tier):
             self._stub = pb_grpc.TierKVStub(self._channel)
             # Payload frames go out pre-serialized and are read in place (cacheserver.wire):
             # one copy of the payload each way, not three.
-            self._put = self._channel.stream_unary("/tierkv.v1.TierKV/Put", request_serializer=_identity,
-                                                   response_deserializer=pb.PutResponse.FromString)
-            self._get = self._channel.unary_stream("/tierkv.v1.TierKV/Get",
-                                                   request_serializer=pb.GetRequest.SerializeToString,
-                                                   response_deserializer=wire.parse_frame)
+            self._put = self._channel.stream_unary(
+                "/tierkv.v1.TierKV/Put",
+                request_serializer=_identity,
+                response_deserializer=pb.PutResponse.FromString,
+            )
+            self._get = self._channel.unary_stream(
+                "/tierkv.v1.TierKV/Get",
+                request_serializer=pb.GetRequest.SerializeToString,
+                response_deserializer=wire.parse_frame,
+            )
         return self._stub
 
     def _opts(self) -> dict:
@@ -122,7 +141,9 @@ class RemoteTier(Tier):
         self.stub  # noqa: B018  (makes the channel and self._get)
         return self._get(req, **self._opts())
 
-    async def lookup(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> pb.LookupResponse | None:
+    async def lookup(
+        self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE
+    ) -> pb.LookupResponse | None:
         """The server's full answer: presence, tier of each key, present prefix length."""
         check_namespace(ns)
         req = pb.LookupRequest(keys=[check_key(k) for k in keys])
@@ -131,8 +152,8 @@ class RemoteTier(Tier):
     async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
         found: list[bool] = []
         for i in range(0, len(keys), LOOKUP_BATCH):  # within the server's max_keys
-            r = await self.lookup(keys[i:i + LOOKUP_BATCH], ns)
-            found += list(r.present) if r is not None else [False] * len(keys[i:i + LOOKUP_BATCH])
+            r = await self.lookup(keys[i : i + LOOKUP_BATCH], ns)
+            found += list(r.present) if r is not None else [False] * len(keys[i : i + LOOKUP_BATCH])
         return found
 
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
@@ -150,6 +171,7 @@ class RemoteTier(Tier):
                 else:
                     asm.add(f)
             return asm.segment() if asm is not None and asm.done else None
+
         seg = await self._retry("get", run)
         if seg is None or seg.key != key:
             self._stats.misses += 1
@@ -161,7 +183,9 @@ class RemoteTier(Tier):
         self._get_lat.add(time.perf_counter() - t0)
         return seg
 
-    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+    async def get_layers(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE
+    ) -> AsyncIterator[LayerChunk]:
         check_namespace(ns)
         req = pb.GetRequest(key=check_key(key))
         for attempt in range(self.retries + 1):
@@ -195,7 +219,7 @@ class RemoteTier(Tier):
                 self._fail("get_layers", e)
                 self._stats.misses += 1
                 return
-            await asyncio.sleep(self.backoff_s * 2 ** attempt)
+            await asyncio.sleep(self.backoff_s * 2**attempt)
 
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
         check_namespace(ns)
@@ -206,6 +230,7 @@ class RemoteTier(Tier):
         async def run() -> pb.PutResponse:
             self.stub  # noqa: B018  (makes the channel and self._put)
             return await self._put(put_wire(key, segment, self.frame_bytes), **self._opts())
+
         r = await self._retry("put", run)
         if r is None or not r.stored:
             return False
@@ -222,7 +247,9 @@ class RemoteTier(Tier):
 
     async def server_stats(self) -> pb.StatsResponse | None:
         """The server's Stats for this tier's namespace."""
-        return await self._retry("stats", lambda: self.stub.Stats(pb.StatsRequest(), **self._opts()))
+        return await self._retry(
+            "stats", lambda: self.stub.Stats(pb.StatsRequest(), **self._opts())
+        )
 
     def stats(self) -> TierStats:
         s = self._stats
@@ -242,5 +269,9 @@ class RemoteTier(Tier):
 
 def _views(payload: torch.Tensor, out) -> bool:
     """Whether payload already lives at the start of out."""
-    start = out.data_ptr() if isinstance(out, torch.Tensor) else torch.frombuffer(out, dtype=torch.uint8).data_ptr()
+    start = (
+        out.data_ptr()
+        if isinstance(out, torch.Tensor)
+        else torch.frombuffer(out, dtype=torch.uint8).data_ptr()
+    )
     return payload.data_ptr() == start

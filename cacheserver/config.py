@@ -3,13 +3,15 @@
 Every knob is a field of ServerConfig with its meaning beside it. Sizes accept human
 units (`512MiB`, `8GiB`, `1.5GB`, plain bytes; storage_backends.parse_size); tokens map bearer tokens to namespaces.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -52,26 +54,30 @@ def parse_tokens(value: str | Mapping[str, str]) -> dict[str, str]:
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"          # bind address; 0.0.0.0 only when asked
-    port: int = 50051                # gRPC port (0: pick a free one, printed at start)
+    host: str = "127.0.0.1"  # bind address; 0.0.0.0 only when asked
+    port: int = 50051  # gRPC port (0: pick a free one, printed at start)
     cache_dir: str = "~/.cache/tierkv"  # disk tier directory
-    cpu_bytes: int = 1 << 30         # cpu tier capacity (0: no cpu tier)
-    disk_bytes: int = 16 << 30       # disk tier capacity (0: no disk tier)
-    redis_url: str = ""              # adds the shared Redis tier when set
-    redis_cluster: bool = False      # use the Redis Cluster client (also when the URL says redis+cluster://)
-    redis_ttl_s: int = 0             # expiry of Redis values (0: none)
-    redis_timeout_s: float = 1.0     # per-command Redis timeout; a timeout is a miss
-    tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> namespace; empty: no auth
-    tls_cert: str = ""               # PEM certificate; with tls_key turns TLS on
-    tls_key: str = ""                # PEM private key
-    metrics_port: int = 0            # Prometheus HTTP port (0: off)
+    cpu_bytes: int = 1 << 30  # cpu tier capacity (0: no cpu tier)
+    disk_bytes: int = 16 << 30  # disk tier capacity (0: no disk tier)
+    redis_url: str = ""  # adds the shared Redis tier when set
+    redis_cluster: bool = (
+        False  # use the Redis Cluster client (also when the URL says redis+cluster://)
+    )
+    redis_ttl_s: int = 0  # expiry of Redis values (0: none)
+    redis_timeout_s: float = 1.0  # per-command Redis timeout; a timeout is a miss
+    tokens: dict[str, str] = field(
+        default_factory=dict
+    )  # bearer token -> namespace; empty: no auth
+    tls_cert: str = ""  # PEM certificate; with tls_key turns TLS on
+    tls_key: str = ""  # PEM private key
+    metrics_port: int = 0  # Prometheus HTTP port (0: off)
     max_segment_bytes: int = 256 * MiB  # largest encoded segment a Put may carry
-    max_frame_bytes: int = MiB       # largest payload frame
-    max_frames: int = 4096           # most payload frames in one Put
-    max_streams: int = 64            # concurrent Put/Get/GetMany streams, server-wide
-    max_keys: int = 4096             # most keys in one Lookup/GetMany/Delete
+    max_frame_bytes: int = MiB  # largest payload frame
+    max_frames: int = 4096  # most payload frames in one Put
+    max_streams: int = 64  # concurrent Put/Get/GetMany streams, server-wide
+    max_keys: int = 4096  # most keys in one Lookup/GetMany/Delete
     recv_pool_bytes: int = 256 * MiB  # idle Put receive buffers kept for reuse
-    grace_s: float = 10.0            # SIGTERM: time in-flight RPCs get to finish
+    grace_s: float = 10.0  # SIGTERM: time in-flight RPCs get to finish
 
     def __post_init__(self) -> None:
         self.check()
@@ -138,7 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag)
 
 
-def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+def load(
+    args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
+) -> ServerConfig:
     """YAML (--config or TIERKV_CONFIG), then TIERKV_* env, then flags; later wins."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}

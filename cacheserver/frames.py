@@ -5,10 +5,11 @@ never cross a piece boundary (the header, then each layer), so a receiver can us
 the moment its last frame lands. Receivers write frames into one preallocated buffer:
 no join of payloads, and nothing is handed on before the whole thing checks out.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import grpc
 import torch
@@ -43,11 +44,13 @@ def too_big(message: str) -> BadRequest:
 
 def parser(cls: type[Message]):
     """A deserializer that never raises: grpc would answer UNKNOWN, we answer INVALID_ARGUMENT."""
+
     def parse(data: bytes) -> Message | Corrupt:
         try:
             return cls.FromString(data)
         except DecodeError:
             return Corrupt(f"not a valid {cls.__name__} message")
+
     return parse
 
 
@@ -76,10 +79,12 @@ def pieces(seg: KVSegment) -> tuple[int, list[memoryview]]:
 
 def cut(piece: memoryview, frame: int) -> Iterator[memoryview]:
     for off in range(0, len(piece), frame):
-        yield piece[off:off + frame]
+        yield piece[off : off + frame]
 
 
-def _put_parts(key: bytes, seg: KVSegment, frame: int) -> tuple[pb.PutFrame, Iterator[tuple[int, memoryview]]]:
+def _put_parts(
+    key: bytes, seg: KVSegment, frame: int
+) -> tuple[pb.PutFrame, Iterator[tuple[int, memoryview]]]:
     total, parts = pieces(seg)
     n = sum(-(-len(p) // frame) for p in parts)
     header = pb.PutFrame(seq=0, header=pb.PutHeader(key=key, total_bytes=total, num_frames=n))
@@ -110,6 +115,7 @@ class Assembly:
     Whole mode writes every layer at its place in `dst` (the payload as sent); per-layer
     mode (get_layers) reuses `dst` for each layer in turn, so memory stays one layer.
     """
+
     header: SegmentHeader
     dst: memoryview
     per_layer: bool
@@ -117,7 +123,9 @@ class Assembly:
     filled: int = 0  # bytes of that layer so far
 
     @staticmethod
-    def start(f: wire.SegmentFrame, max_bytes: int, per_layer: bool = False, out=None) -> "Assembly":
+    def start(
+        f: wire.SegmentFrame, max_bytes: int, per_layer: bool = False, out=None
+    ) -> Assembly:
         """From a HEADER frame. In whole mode an uncompressed payload lands in `out` (a CPU
         tensor or writable buffer) when given, else in a new buffer."""
         if f.kind != pb.SegmentFrame.HEADER:
@@ -126,21 +134,27 @@ class Assembly:
         if h.nbytes > max_bytes or f.total_bytes != h.nbytes or len(f.data) != h.header_nbytes:
             raise SegmentError(f"segment of {h.nbytes} bytes (frames say {f.total_bytes}) refused")
         size = max(n for _, n in h.layers) if per_layer else h.nbytes - h.header_nbytes
-        dst = out_view(out, size) if out is not None and not per_layer and h.codec == "none" else None
+        dst = (
+            out_view(out, size) if out is not None and not per_layer and h.codec == "none" else None
+        )
         return Assembly(h, dst if dst is not None else memoryview(bytearray(size)), per_layer)
 
     def _at(self) -> int:
-        return 0 if self.per_layer else self.header.layers[self.layer][0] - self.header.header_nbytes
+        return (
+            0 if self.per_layer else self.header.layers[self.layer][0] - self.header.header_nbytes
+        )
 
     def add(self, f: wire.SegmentFrame) -> int | None:
         """Append a LAYER frame; the layer's index when that layer is now complete."""
         if self.done or f.kind != pb.SegmentFrame.LAYER or f.layer != self.layer:
-            raise SegmentError(f"unexpected frame (kind {f.kind}, layer {f.layer}) at layer {self.layer}")
+            raise SegmentError(
+                f"unexpected frame (kind {f.kind}, layer {f.layer}) at layer {self.layer}"
+            )
         n, data = self.header.layers[self.layer][1], f.data  # one read: each read copies
         if self.filled + len(data) > n:
             raise SegmentError(f"layer {self.layer}: frames exceed its {n} bytes")
         at = self._at() + self.filled
-        self.dst[at:at + len(data)] = data
+        self.dst[at : at + len(data)] = data
         self.filled += len(data)
         if self.filled < n:
             return None
@@ -150,7 +164,7 @@ class Assembly:
     def layer_bytes(self, i: int) -> memoryview:
         """Encoded bytes of completed layer i (per-layer mode: only the latest)."""
         at = 0 if self.per_layer else self.header.layers[i][0] - self.header.header_nbytes
-        return self.dst[at:at + self.header.layers[i][1]]
+        return self.dst[at : at + self.header.layers[i][1]]
 
     @property
     def done(self) -> bool:
@@ -164,9 +178,25 @@ class Assembly:
         layers = [decode_layer(h, i, self.layer_bytes(i)) for i in range(h.num_layers)]
         if h.codec == "none":  # layers are views of dst, back to back: one view of it all
             dt = layers[0].dtype
-            payload = torch.frombuffer(self.dst, dtype=dt, count=h.payload_raw_nbytes // dt.itemsize)
+            payload = torch.frombuffer(
+                self.dst, dtype=dt, count=h.payload_raw_nbytes // dt.itemsize
+            )
         else:
             payload = torch.stack(layers)
-        return KVSegment(h.key, h.parent, h.tokens, h.fingerprint, h.num_layers, h.num_tokens, h.num_kv_heads,
-                         h.head_dim, h.dtype, h.quant, h.scales, h.base_position, h.codec,
-                         payload.view(h.num_layers, *h.layer_shape), list(h.checksums))
+        return KVSegment(
+            h.key,
+            h.parent,
+            h.tokens,
+            h.fingerprint,
+            h.num_layers,
+            h.num_tokens,
+            h.num_kv_heads,
+            h.head_dim,
+            h.dtype,
+            h.quant,
+            h.scales,
+            h.base_position,
+            h.codec,
+            payload.view(h.num_layers, *h.layer_shape),
+            list(h.checksums),
+        )

@@ -3,17 +3,31 @@
 Per-tier counters come from each tier's own TierStats (snapshotted by the server loop,
 so a scrape never touches the store); RPCs are counted and timed by the server.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # TierStats fields that only grow; every other numeric field is exported as a gauge.
-_COUNTERS = ("hits", "misses", "evictions", "errors", "puts", "gets", "bytes_read",
-             "bytes_written", "dropped", "demotions", "promotions", "deletes")
+_COUNTERS = (
+    "hits",
+    "misses",
+    "evictions",
+    "errors",
+    "puts",
+    "gets",
+    "bytes_read",
+    "bytes_written",
+    "dropped",
+    "demotions",
+    "promotions",
+    "deletes",
+)
 _LATENCY = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 
@@ -29,12 +43,19 @@ class _TierCollector:
     snapshot: dict[str, dict[str, Any]] = field(default_factory=dict)  # tier -> stats
 
     def collect(self) -> Iterator[Metric]:
-        names = sorted({k for s in self.snapshot.values() for k, v in s.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        names = sorted(
+            {
+                k
+                for s in self.snapshot.values()
+                for k, v in s.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+        )
         for name in names:
             is_counter = name in _COUNTERS
             family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
-                f"tierkv_tier_{name}", f"tier {name} (from TierStats)", labels=["tier"])
+                f"tierkv_tier_{name}", f"tier {name} (from TierStats)", labels=["tier"]
+            )
             for tier, s in self.snapshot.items():
                 v = s.get(name)
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -53,12 +74,18 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.rpc_seconds = Histogram("tierkv_rpc_seconds", "RPC latency", ["method"],
-                                     buckets=_LATENCY, registry=r)
-        self.rpc_total = Counter("tierkv_rpc", "RPCs by final status", ["method", "code"], registry=r)
-        self.wire_bytes = Counter("tierkv_wire_bytes", "segment bytes over gRPC", ["direction"], registry=r)
-        self.rejected = Counter("tierkv_rejected", "requests refused by limits or validation",
-                                ["reason"], registry=r)
+        self.rpc_seconds = Histogram(
+            "tierkv_rpc_seconds", "RPC latency", ["method"], buckets=_LATENCY, registry=r
+        )
+        self.rpc_total = Counter(
+            "tierkv_rpc", "RPCs by final status", ["method", "code"], registry=r
+        )
+        self.wire_bytes = Counter(
+            "tierkv_wire_bytes", "segment bytes over gRPC", ["direction"], registry=r
+        )
+        self.rejected = Counter(
+            "tierkv_rejected", "requests refused by limits or validation", ["reason"], registry=r
+        )
         r.register(self.tiers)
 
     def update_tiers(self, stats: dict[str, Any]) -> None:

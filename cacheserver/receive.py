@@ -3,10 +3,11 @@
 Nothing reaches the store before the last frame arrived in order, the length matches the
 header, the segment decodes, every layer checksum holds and its key is the header's.
 """
+
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from tierkv.cacheserver.frames import KEY_NBYTES, check_known, invalid, too_big
 from tierkv.cacheserver.wire import Corrupt, PutFrame
@@ -26,6 +27,7 @@ class BufferPool:
     """Receive buffers for Puts, reused; at most `limit` bytes lie idle. Safety: a buffer is
     given back only once the store's put has returned, and tiers copy on put, so no tier
     ever holds a buffer that is being refilled."""
+
     limit: int
     idle: list[bytearray] = field(default_factory=list)
 
@@ -42,8 +44,9 @@ class BufferPool:
             self.idle.append(buf)
 
 
-async def receive_put(frames: AsyncIterator[PutFrame | Corrupt], lim: PutLimits,
-                      pool: BufferPool) -> tuple[bytes, KVSegment, bytearray]:
+async def receive_put(
+    frames: AsyncIterator[PutFrame | Corrupt], lim: PutLimits, pool: BufferPool
+) -> tuple[bytes, KVSegment, bytearray]:
     """Read a whole Put stream into one pooled buffer and decode it (the segment views the
     buffer, returned too, for pool.give once stored); BadRequest on anything off."""
     first = await anext(frames, None)
@@ -58,21 +61,25 @@ async def receive_put(frames: AsyncIterator[PutFrame | Corrupt], lim: PutLimits,
     if h.total_bytes == 0 or h.num_frames == 0:
         raise invalid("a Put needs total_bytes > 0 and num_frames > 0")
     if h.total_bytes > lim.max_segment_bytes:
-        raise too_big(f"segment of {h.total_bytes} bytes exceeds max_segment_bytes {lim.max_segment_bytes}")
+        raise too_big(
+            f"segment of {h.total_bytes} bytes exceeds max_segment_bytes {lim.max_segment_bytes}"
+        )
     if h.num_frames > lim.max_frames:
         raise too_big(f"{h.num_frames} frames exceed max_frames {lim.max_frames}")
     if h.num_frames > h.total_bytes:
         raise invalid(f"{h.num_frames} frames cannot carry {h.total_bytes} bytes")
     buf = pool.take(h.total_bytes)
     try:
-        seg = await _fill(frames, h, lim, memoryview(buf)[:h.total_bytes])
+        seg = await _fill(frames, h, lim, memoryview(buf)[: h.total_bytes])
     except BaseException:
         pool.give(buf)  # nothing refers to it: the segment never left this function
         raise
     return h.key, seg, buf
 
 
-async def _fill(frames: AsyncIterator[PutFrame | Corrupt], h: pb.PutHeader, lim: PutLimits, mv: memoryview) -> KVSegment:
+async def _fill(
+    frames: AsyncIterator[PutFrame | Corrupt], h: pb.PutHeader, lim: PutLimits, mv: memoryview
+) -> KVSegment:
     pos = 0
     for seq in range(1, h.num_frames + 1):
         f = await anext(frames, None)
@@ -80,14 +87,18 @@ async def _fill(frames: AsyncIterator[PutFrame | Corrupt], h: pb.PutHeader, lim:
             raise invalid(f"truncated Put: stream ended after {seq - 1} of {h.num_frames} frames")
         check_known(f)
         if f.body != "data" or f.seq != seq:
-            raise invalid(f"frame out of order: expected data frame {seq}, got {f.body} frame {f.seq}")
+            raise invalid(
+                f"frame out of order: expected data frame {seq}, got {f.body} frame {f.seq}"
+            )
         data = f.data  # a view of the received bytes: copied once, into mv
         n = len(data)
         if n > lim.max_frame_bytes:
             raise too_big(f"frame {seq} has {n} bytes; max_frame_bytes is {lim.max_frame_bytes}")
         if n == 0 or pos + n > h.total_bytes:
-            raise invalid(f"frame {seq} ({n} bytes) does not fit the header's total_bytes {h.total_bytes}")
-        mv[pos:pos + n] = data
+            raise invalid(
+                f"frame {seq} ({n} bytes) does not fit the header's total_bytes {h.total_bytes}"
+            )
+        mv[pos : pos + n] = data
         pos += n
     if await anext(frames, None) is not None:
         raise invalid(f"more frames than the header's num_frames {h.num_frames}")

@@ -1,10 +1,11 @@
 """The grpc.aio server around the servicer: limits, TLS, health, reflection, shutdown."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,32 +32,50 @@ def _identity(b: bytes) -> bytes:
 def add_servicer(servicer: Servicer, server: grpc.aio.Server) -> None:
     """Register the TierKV methods, like the generated helper, but with parsers that never raise."""
     svc = pb.DESCRIPTOR.services_by_name["TierKV"]
-    makers = {(False, False): grpc.unary_unary_rpc_method_handler,
-              (True, False): grpc.stream_unary_rpc_method_handler,
-              (False, True): grpc.unary_stream_rpc_method_handler}
+    makers = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+    }
+
     def serializer(m) -> Callable:  # streamed frames leave the handler already serialized
-        return _identity if m.server_streaming else getattr(pb, m.output_type.name).SerializeToString
+        return (
+            _identity if m.server_streaming else getattr(pb, m.output_type.name).SerializeToString
+        )
+
     def deserializer(m) -> Callable:  # Put frames are read in place (see cacheserver.wire)
         return wire.parse_put if m.client_streaming else parser(getattr(pb, m.input_type.name))
-    handlers = {m.name: makers[(m.client_streaming, m.server_streaming)](
-        getattr(servicer, m.name), request_deserializer=deserializer(m),
-        response_serializer=serializer(m)) for m in svc.methods}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(svc.full_name, handlers),))
+
+    handlers = {
+        m.name: makers[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name),
+            request_deserializer=deserializer(m),
+            response_serializer=serializer(m),
+        )
+        for m in svc.methods
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(svc.full_name, handlers),)
+    )
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Messages are frames (<= max_frame_bytes) or key lists; allow those with headroom, no more."""
     limit = max(config.max_frame_bytes, config.max_keys * 20) + 64 * 1024
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.http2.max_frame_size", HTTP2_FRAME),
-            # HTTP/2 would queue streams over its limit silently; leave room so max_streams
-            # refuses them with a message instead (unary calls count as HTTP/2 streams too).
-            ("grpc.max_concurrent_streams", config.max_streams + 32)]
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.http2.max_frame_size", HTTP2_FRAME),
+        # HTTP/2 would queue streams over its limit silently; leave room so max_streams
+        # refuses them with a message instead (unary calls count as HTTP/2 streams too).
+        ("grpc.max_concurrent_streams", config.max_streams + 32),
+    ]
 
 
 @dataclass(slots=True)
 class Server:
     """A started grpc.aio server; `stop()` drains in-flight RPCs, then closes the store."""
+
     config: ServerConfig
     store: TieredStore
     metrics: Metrics
@@ -65,13 +84,17 @@ class Server:
     port: int
 
     @staticmethod
-    async def start(config: ServerConfig, store: TieredStore, metrics: Metrics | None = None) -> "Server":
+    async def start(
+        config: ServerConfig, store: TieredStore, metrics: Metrics | None = None
+    ) -> Server:
         metrics = metrics or Metrics()
         srv = grpc.aio.server(options=grpc_options(config))
         add_servicer(Servicer(store, config, metrics), srv)
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, srv)
-        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), srv)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), srv
+        )
         addr = f"{config.host}:{config.port}"
         if config.tls_cert:
             with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
@@ -95,4 +118,7 @@ class Server:
         try:  # flush the write-behind queue, but never hang the shutdown on a stuck tier
             await asyncio.wait_for(self.store.close(), max(self.config.grace_s, 1.0))
         except asyncio.TimeoutError:
-            log.error("store did not close within %.0fs; queued background writes are lost", self.config.grace_s)
+            log.error(
+                "store did not close within %.0fs; queued background writes are lost",
+                self.config.grace_s,
+            )

@@ -6,13 +6,14 @@ checksummed and matched to the header key, so a refused or cut stream stores not
 a refused request gets INVALID_ARGUMENT / RESOURCE_EXHAUSTED / UNAUTHENTICATED with a
 message and the server keeps serving.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 
@@ -32,6 +33,7 @@ from tierkv.storage_backends.store import TieredStore
 @dataclass(slots=True)
 class NsCounters:
     """What one namespace did; Stats reports only the caller's."""
+
     lookups: int = 0
     puts: int = 0
     gets: int = 0
@@ -67,7 +69,9 @@ class Servicer(pb_grpc.TierKVServicer):
         try:
             if stream:
                 if self.streams >= self.config.max_streams:
-                    raise too_big(f"{self.streams} streams in flight; max_streams is {self.config.max_streams}")
+                    raise too_big(
+                        f"{self.streams} streams in flight; max_streams is {self.config.max_streams}"
+                    )
                 self.streams, held = self.streams + 1, True
             yield ns
         except BadRequest as e:
@@ -85,7 +89,9 @@ class Servicer(pb_grpc.TierKVServicer):
 
     async def _where(self, keys: list[bytes], ns: str) -> list[str]:
         """Name of the fastest tier holding each key ('' when none)."""
-        return ["" if i is None else self.store.tiers[i].name for i in await self.store.locate(keys, ns)]
+        return [
+            "" if i is None else self.store.tiers[i].name for i in await self.store.locate(keys, ns)
+        ]
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         async with self._call("Lookup", context) as ns:
@@ -99,7 +105,9 @@ class Servicer(pb_grpc.TierKVServicer):
 
     async def Put(self, request_iterator: AsyncIterator[wire.PutFrame], context) -> pb.PutResponse:
         async with self._call("Put", context, stream=True) as ns:
-            lim = PutLimits(self.config.max_segment_bytes, self.config.max_frame_bytes, self.config.max_frames)
+            lim = PutLimits(
+                self.config.max_segment_bytes, self.config.max_frame_bytes, self.config.max_frames
+            )
             key, seg, buf = await receive_put(request_iterator, lim, self.pool)
             # Shielded: once whole and valid, a put completes even if the caller or SIGTERM cancels.
             stored = await asyncio.shield(self.store.put(key, seg, ns))
@@ -130,8 +138,13 @@ class Servicer(pb_grpc.TierKVServicer):
             h = chunk.header
             if chunk.layer == 0:
                 head = h.encode()
-                yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.HEADER, data=head,
-                                      total_bytes=h.nbytes, tier=where).SerializeToString()
+                yield pb.SegmentFrame(
+                    index=index,
+                    kind=pb.SegmentFrame.HEADER,
+                    data=head,
+                    total_bytes=h.nbytes,
+                    tier=where,
+                ).SerializeToString()
                 sent += len(head)
             tag = pb.SegmentFrame(index=index, kind=pb.SegmentFrame.LAYER, layer=chunk.layer)
             for data in cut(memoryview(chunk.data).cast("B"), frame):
@@ -177,12 +190,28 @@ class Servicer(pb_grpc.TierKVServicer):
                 s = t.stats()
                 count = await t.scan_count(ns) if hasattr(t, "scan_count") else t.count(ns)
                 # A tier missed every get that a slower tier served or that no tier could.
-                missed = c.misses + sum(c.hits.get(n, 0) for n in names[i + 1:])
-                tiers.append(pb.TierStats(name=t.name, count=count, used_bytes=s.used_bytes,
-                                          capacity_bytes=s.capacity_bytes, hits=c.hits.get(t.name, 0),
-                                          misses=missed, evictions=s.evictions, errors=s.errors))
-            return pb.StatsResponse(namespace=ns, tiers=tiers, lookups=c.lookups, puts=c.puts, gets=c.gets,
-                                    bytes_in=c.bytes_in, bytes_out=c.bytes_out)
+                missed = c.misses + sum(c.hits.get(n, 0) for n in names[i + 1 :])
+                tiers.append(
+                    pb.TierStats(
+                        name=t.name,
+                        count=count,
+                        used_bytes=s.used_bytes,
+                        capacity_bytes=s.capacity_bytes,
+                        hits=c.hits.get(t.name, 0),
+                        misses=missed,
+                        evictions=s.evictions,
+                        errors=s.errors,
+                    )
+                )
+            return pb.StatsResponse(
+                namespace=ns,
+                tiers=tiers,
+                lookups=c.lookups,
+                puts=c.puts,
+                gets=c.gets,
+                bytes_in=c.bytes_in,
+                bytes_out=c.bytes_out,
+            )
 
 
 async def _none() -> AsyncIterator[LayerChunk]:

@@ -5,10 +5,11 @@ message, read the field out, copy to its place). Here the payload goes straight 
 received bytes to its destination, and out of its source into the sent bytes, once.
 Only PutFrame and SegmentFrame take this path; every other message uses tierkv_pb2.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -59,12 +60,12 @@ def fields(raw: bytes) -> Iterator[tuple[int, int, int | memoryview]]:
             n, pos = _read_varint(mv, pos)
             if pos + n > len(mv):
                 raise DecodeError("length runs past the end")
-            val, pos = mv[pos:pos + n], pos + n
+            val, pos = mv[pos : pos + n], pos + n
         elif wt in (1, 5):  # fixed64 / fixed32: none in our messages, but well-formed
             size = 8 if wt == 1 else 4
             if pos + size > len(mv):
                 raise DecodeError("truncated fixed field")
-            val, pos = mv[pos:pos + size], pos + size
+            val, pos = mv[pos : pos + size], pos + size
         else:
             raise DecodeError(f"wire type {wt}")
         yield num, wt, val
@@ -73,6 +74,7 @@ def fields(raw: bytes) -> Iterator[tuple[int, int, int | memoryview]]:
 @dataclass(slots=True)
 class Corrupt:
     """Stands in for a request that did not parse, so the handler can refuse it with `why`."""
+
     why: str
 
 

@@ -1,4 +1,5 @@
 """ConnectorConfig: every knob of the connector, and the tiered store it builds."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +27,12 @@ class ConnectorConfig:
     namespace: str = DEFAULT_NAMESPACE  # tenant; part of every key (the server maps tokens to it)
     token: str | None = None  # bearer token for tierkv-server
     tls_ca: str | None = None  # CA certificate (PEM path) for grpcs://
-    kv_dtype: str = "auto"  # KV dtype in storage: auto (the engine cache's) | fp8 (e4m3 with scales)
-    codec: str = "none"  # segment codec: none | lz4 | shuffle+lz4 (measure first: fp16 KV barely shrinks)
+    kv_dtype: str = (
+        "auto"  # KV dtype in storage: auto (the engine cache's) | fp8 (e4m3 with scales)
+    )
+    codec: str = (
+        "none"  # segment codec: none | lz4 | shuffle+lz4 (measure first: fp16 KV barely shrinks)
+    )
     save_partial_chunks: bool = False  # also store a prompt's last, partial chunk
     save: bool = True  # store new prompt chunks after prefill (False: read-only client)
     lookup_timeout_s: float = 2.0  # the scheduler-side Lookup; a timeout is a miss
@@ -56,11 +61,15 @@ class ConnectorConfig:
         if self.cpu_bytes:
             tiers.append(CpuTier(CpuTierConfig(capacity_bytes=self.cpu_bytes)))
         if self.disk_dir is not None:
-            tiers.append(DiskTier(DiskTierConfig(root=self.disk_dir, capacity_bytes=self.disk_bytes)))
+            tiers.append(
+                DiskTier(DiskTierConfig(root=self.disk_dir, capacity_bytes=self.disk_bytes))
+            )
         if self.remote is not None:
             tiers.append(remote_tier(self.remote, self.token, self.tls_ca))
         if not tiers:
-            raise ValueError("the connector needs at least one tier (cpu_bytes, disk_dir or remote)")
+            raise ValueError(
+                "the connector needs at least one tier (cpu_bytes, disk_dir or remote)"
+            )
         return tiers
 
     def build_store(self) -> TieredStore:
@@ -75,7 +84,9 @@ def remote_tier(url: str, token: str | None = None, tls_ca: str | None = None) -
         tls = url.startswith("grpcs://")
         if tls and tls_ca is None:
             raise ValueError("grpcs:// needs tls_ca (the server's CA certificate)")
-        return RemoteTier(target=url.split("://", 1)[1], token=token, tls_ca=tls_ca if tls else None)
+        return RemoteTier(
+            target=url.split("://", 1)[1], token=token, tls_ca=tls_ca if tls else None
+        )
     from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 
     return RedisTier(RedisTierConfig(url=url))

@@ -9,6 +9,7 @@ paged cache into staging buffers during the forward and put them in the backgrou
 The gather for a save finishes inside save_kv_layer, so a finished request's blocks are
 never needed after its step: request_finished always lets the engine free them at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,14 +28,16 @@ from tierkv.engine.kv_connector import KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
 from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.keys import ChunkHasher, Salt
-from tierkv.storage_backends.store import TieredStore
 from tierkv.storage_backends.segment import VERSION
+from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.connector")
 
 
 class TierKVConnector(KVConnector):
-    def __init__(self, config: ConnectorConfig | None = None, tiers: list[Tier] | None = None) -> None:
+    def __init__(
+        self, config: ConnectorConfig | None = None, tiers: list[Tier] | None = None
+    ) -> None:
         """tiers, when given, replaces the tiers the config would build (fastest first)."""
         self.config = config or ConnectorConfig()
         self.stats = ConnectorStats()
@@ -58,19 +61,29 @@ class TierKVConnector(KVConnector):
         self.rope: RotaryEmbedding | None = None
         if self.config.metrics_port:
             from tierkv.connector.metrics import serve_metrics
+
             serve_metrics(self, self.config.metrics_port)
 
     async def _build_store(self, tiers: list[Tier] | None) -> TieredStore:
         return TieredStore(tiers) if tiers else self.config.build_store()
 
     # -- binding to the engine -------------------------------------------------------------
-    def bind_model(self, model: torch.nn.Module, model_config: Any, dtype: torch.dtype,
-                   kv_scales: torch.Tensor | None = None) -> None:
+    def bind_model(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        dtype: torch.dtype,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         """Called by the engine before register_kv_caches: fixes the salt of every key."""
         self.model_id = model_fingerprint(model, model_config, dtype)
         self.kv_scales = kv_scales
-        self.rope = RotaryEmbedding(model_config.head_dim, model_config.rope_theta, model_config.rope_scaling,
-                                    model_config.max_position_embeddings)
+        self.rope = RotaryEmbedding(
+            model_config.head_dim,
+            model_config.rope_theta,
+            model_config.rope_scaling,
+            model_config.max_position_embeddings,
+        )
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         if self.model_id is None:
@@ -78,27 +91,38 @@ class TierKVConnector(KVConnector):
         self.caches = kv_caches
         _, _, block_size, heads, dim = kv_caches[0].shape
         if self.config.chunk_size % block_size:
-            raise ValueError(f"chunk_size {self.config.chunk_size} is not a multiple of block size {block_size}")
+            raise ValueError(
+                f"chunk_size {self.config.chunk_size} is not a multiple of block size {block_size}"
+            )
         cache_dtype = kv_caches[0].dtype
         if cache_dtype == FP8 and self.kv_scales is None:
             raise ValueError("an fp8 engine cache needs its kv_scales in bind_model")
         store_dtype = FP8 if self.config.kv_dtype == "fp8" else cache_dtype
         name = DTYPE_NAMES[store_dtype]
         quant = "fp8_e4m3" if store_dtype == FP8 else "none"
-        salt = Salt(model_fingerprint=self.model_id, kv_format=f"tkvs{VERSION}/layer-major/{name}/{quant}",
-                    chunk_size=self.config.chunk_size, namespace=self.ns)
+        salt = Salt(
+            model_fingerprint=self.model_id,
+            kv_format=f"tkvs{VERSION}/layer-major/{name}/{quant}",
+            chunk_size=self.config.chunk_size,
+            namespace=self.ns,
+        )
         self.hasher = ChunkHasher(salt)
-        self.layout = Layout(len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, self.rope)
+        self.layout = Layout(
+            len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, self.rope
+        )
 
     # -- scheduler side --------------------------------------------------------------------
     def _state(self, request: Any) -> RequestState:
         st = self.states.get(request.request_id)
         if st is None:
-            st = self.states[request.request_id] = request_state(request, self.hasher,
-                                                                 self.config.save_partial_chunks)
+            st = self.states[request.request_id] = request_state(
+                request, self.hasher, self.config.save_partial_chunks
+            )
         return st
 
-    def lookup_segments(self, segments: list[list[int]], prefix: list[int] | None = None) -> list[bool]:
+    def lookup_segments(
+        self, segments: list[list[int]], prefix: list[int] | None = None
+    ) -> list[bool]:
         """Whether the store holds each segment's KV, computed standalone or, given prefix, right
         after that declared shared prefix (one batched lookup)."""
         after = self.hasher.prefix_key(np.asarray(prefix, dtype=np.int32)) if prefix else None
@@ -111,17 +135,28 @@ class TierKVConnector(KVConnector):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         st, blend = self._state(request), getattr(request, "blend", None) is not None
-        if not st.chunks or not (st.prefix_chunks or blend) or (self.caches[0].dtype == FP8 and not self.steps):
-            return 0  # nothing that could load; an fp8 cache takes its scales from its first forward
+        if (
+            not st.chunks
+            or not (st.prefix_chunks or blend)
+            or (self.caches[0].dtype == FP8 and not self.steps)
+        ):
+            return (
+                0  # nothing that could load; an fp8 cache takes its scales from its first forward
+            )
         self.stats.lookups += 1
         try:
-            where = self.loop.run(self.store.locate([c.key for c in st.chunks], self.ns),
-                                  self.config.lookup_timeout_s)
+            where = self.loop.run(
+                self.store.locate([c.key for c in st.chunks], self.ns), self.config.lookup_timeout_s
+            )
         except Exception as e:  # a slow or failing store is a miss
             log.warning("connector lookup failed (%r): miss", e)
             where = [None] * len(st.chunks)
-        new = record_lookup(st, [self.store.tiers[w].name if w is not None else None for w in where],
-                            num_computed_tokens, blend)
+        new = record_lookup(
+            st,
+            [self.store.tiers[w].name if w is not None else None for w in where],
+            num_computed_tokens,
+            blend,
+        )
         self.stats.lookup_hit_tokens += new
         return new
 
@@ -129,22 +164,48 @@ class TierKVConnector(KVConnector):
         st = self.states.get(request.request_id)
         return 0 if st is None else st.exact[1] - st.exact[0]
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         if num_external_tokens <= 0:
             return
         st = self._state(request)
         blocks = torch.tensor(block_ids, dtype=torch.int32)
         blend = getattr(request, "blend", None) is not None
-        start, end = st.exact if blend else (request.num_computed_tokens,
-                                             request.num_computed_tokens + num_external_tokens)
+        start, end = (
+            st.exact
+            if blend
+            else (request.num_computed_tokens, request.num_computed_tokens + num_external_tokens)
+        )
         if end > start:  # a prefix run: loaded exactly, where it was computed
-            idx = [i for i, c in enumerate(st.chunks[:st.present]) if c.end > start and c.start < end]
-            self.pending_loads.append(LoadPlan(request.request_id, blocks, start, end, [st.chunks[i] for i in idx],
-                                               [st.tiers[i] for i in idx], st.tokens))
+            idx = [
+                i for i, c in enumerate(st.chunks[: st.present]) if c.end > start and c.start < end
+            ]
+            self.pending_loads.append(
+                LoadPlan(
+                    request.request_id,
+                    blocks,
+                    start,
+                    end,
+                    [st.chunks[i] for i in idx],
+                    [st.tiers[i] for i in idx],
+                    st.tokens,
+                )
+            )
         for c, hit, tier in zip(st.chunks, st.hits if blend else [], st.tiers):
             if hit:  # a segment: re-rotated from where it was computed to where it is now
-                self.pending_loads.append(LoadPlan(request.request_id, blocks, c.start, c.end, [c], [tier],
-                                                   st.tokens, rotate=True))
+                self.pending_loads.append(
+                    LoadPlan(
+                        request.request_id,
+                        blocks,
+                        c.start,
+                        c.end,
+                        [c],
+                        [tier],
+                        st.tokens,
+                        rotate=True,
+                    )
+                )
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
         meta = StepMeta(self.pending_loads, [])
@@ -165,12 +226,14 @@ class TierKVConnector(KVConnector):
                     continue
                 if block_ids is None:
                     block_ids = torch.tensor(seq.block_table, dtype=torch.int32)
-                plan = self._stage(seq.request_id, block_ids, c, st.tokens[c.start:c.end])
+                plan = self._stage(seq.request_id, block_ids, c, st.tokens[c.start : c.end])
                 if plan is not None:
                     meta.saves.append(plan)
         return meta
 
-    def _stage(self, rid: str, block_ids: torch.Tensor, c: Chunk, tokens: np.ndarray) -> SavePlan | None:
+    def _stage(
+        self, rid: str, block_ids: torch.Tensor, c: Chunk, tokens: np.ndarray
+    ) -> SavePlan | None:
         with self.save_lock:
             if self.pending_saves >= self.config.max_pending_saves:
                 self.stats.save_dropped += 1
@@ -178,7 +241,9 @@ class TierKVConnector(KVConnector):
             self.pending_saves += 1
         lay, fp8 = self.layout, self.config.kv_dtype == "fp8" or self.caches[0].dtype == FP8
         dtype = FP8 if fp8 else self.caches[0].dtype
-        staging = torch.empty(lay.num_layers, 2, c.end - c.start, lay.num_kv_heads, lay.head_dim, dtype=dtype)
+        staging = torch.empty(
+            lay.num_layers, 2, c.end - c.start, lay.num_kv_heads, lay.head_dim, dtype=dtype
+        )
         scales = torch.empty(lay.num_layers, 2, lay.num_kv_heads) if fp8 else None
         return SavePlan(rid, block_ids, c, tokens, staging, scales)
 
@@ -189,8 +254,10 @@ class TierKVConnector(KVConnector):
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         st = self.states.pop(request.request_id, None)
         if st is not None:
-            self.finished[request.request_id] = {"loaded_tokens": dict(st.loaded),
-                                                 "recomputed_tokens": st.recomputed}
+            self.finished[request.request_id] = {
+                "loaded_tokens": dict(st.loaded),
+                "recomputed_tokens": st.recomputed,
+            }
         return False
 
     def request_metrics(self, request_id: str) -> dict[str, Any]:
@@ -203,8 +270,18 @@ class TierKVConnector(KVConnector):
             self.job = None
             return
         self.job = LoadJob(self.meta.loads, [threading.Event() for _ in self.caches])
-        self.loop.submit(run_load(self.job, self.store, self.ns, self.layout, self.caches, self.kv_scales,
-                                  self.stats, self.config.load_timeout_s))
+        self.loop.submit(
+            run_load(
+                self.job,
+                self.store,
+                self.ns,
+                self.layout,
+                self.caches,
+                self.kv_scales,
+                self.stats,
+                self.config.load_timeout_s,
+            )
+        )
 
     def wait_for_layer_load(self, layer: int) -> None:
         job = self.job
@@ -213,18 +290,40 @@ class TierKVConnector(KVConnector):
             job.cancel()
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        ks, vs = (self.kv_scales[layer, 0], self.kv_scales[layer, 1]) if kv_layer.dtype == FP8 else (None, None)
+        ks, vs = (
+            (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
+            if kv_layer.dtype == FP8
+            else (None, None)
+        )
         for p in self.meta.saves:
             c = p.chunk
-            gather_kv(kv_layer[0], kv_layer[1], p.block_ids, c.start, c.end - c.start, p.staging[layer],
-                      ks, vs, None if p.scales is None else p.scales[layer])
+            gather_kv(
+                kv_layer[0],
+                kv_layer[1],
+                p.block_ids,
+                c.start,
+                c.end - c.start,
+                p.staging[layer],
+                ks,
+                vs,
+                None if p.scales is None else p.scales[layer],
+            )
 
     def wait_for_save(self) -> None:
         self.steps += 1
         saves, self.meta = self.meta.saves, StepMeta(loads=self.meta.loads)
         if saves:
-            fut = self.loop.submit(run_saves(saves, self.store, self.ns, self.layout.fingerprint,
-                                             self.config.codec, self.stats, self._saved))
+            fut = self.loop.submit(
+                run_saves(
+                    saves,
+                    self.store,
+                    self.ns,
+                    self.layout.fingerprint,
+                    self.config.codec,
+                    self.stats,
+                    self._saved,
+                )
+            )
             self.save_futures = [f for f in self.save_futures if not f.done()] + [fut]
 
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -237,8 +336,11 @@ class TierKVConnector(KVConnector):
         job = self.job
         if job is None:
             return []
-        return [(p.start, p.end) for p in job.plans
-                if p.request_id == request_id and p.rotate and p.failed_from is None]
+        return [
+            (p.start, p.end)
+            for p in job.plans
+            if p.request_id == request_id and p.rotate and p.failed_from is None
+        ]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks from the first token each failed load did not deliver; also books the metrics."""

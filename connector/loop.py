@@ -1,10 +1,12 @@
 """A private asyncio loop on a daemon thread: the async tiers run there, the engine stays sync."""
+
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 
 class LoopThread:

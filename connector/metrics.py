@@ -1,10 +1,12 @@
 """Prometheus export of the connector's counters and its tiers' stats (`tierkv_connector_*`,
 `tierkv_tier_*`), read at scrape time; served on ConnectorConfig.metrics_port."""
+
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,8 +22,10 @@ class ConnectorCollector:
         stats = self.connector.stats
         for name, value in asdict(stats).items():
             if isinstance(value, list):  # latency windows: export the median
-                fam = GaugeMetricFamily(f"tierkv_connector_{name.replace('seconds', 'p50_seconds')}",
-                                        f"median of recent {name}")
+                fam = GaugeMetricFamily(
+                    f"tierkv_connector_{name.replace('seconds', 'p50_seconds')}",
+                    f"median of recent {name}",
+                )
                 fam.add_metric([], statistics.median(value) if value else 0.0)
             else:
                 fam = CounterMetricFamily(f"tierkv_connector_{name}", f"connector {name}")

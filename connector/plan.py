@@ -1,4 +1,5 @@
 """What the connector decides per request and per step, and what it counts."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,11 +20,17 @@ class Chunk:
 @dataclass(slots=True)
 class RequestState:
     """Scheduler-side state of one request; lives from its first lookup to request_finished."""
+
     chunks: list[Chunk]
     tokens: np.ndarray  # the prompt, int32
     present: int = 0  # leading chunks the store held at the last lookup (prefix chunks)
-    prefix_chunks: int = 0  # leading chunks that may load as a prefix run (a segment prompt: its declared prefix)
-    exact: tuple[int, int] = (0, 0)  # blend requests: declared-prefix tokens [a, b) loaded as a prefix
+    prefix_chunks: int = (
+        0  # leading chunks that may load as a prefix run (a segment prompt: its declared prefix)
+    )
+    exact: tuple[int, int] = (
+        0,
+        0,
+    )  # blend requests: declared-prefix tokens [a, b) loaded as a prefix
     hits: list[bool] = field(default_factory=list)  # each chunk found as a segment (blend requests)
     tiers: list[str] = field(default_factory=list)  # tier of each present chunk
     saved_upto: int = 0  # chunks below this index were saved or skipped
@@ -34,6 +41,7 @@ class RequestState:
 @dataclass(slots=True)
 class LoadPlan:
     """Load tokens [start, end) of one request into its blocks from chunks[...]."""
+
     request_id: str
     block_ids: torch.Tensor  # int32; valid only while the request holds them (this step)
     start: int
@@ -68,7 +76,9 @@ class ConnectorStats:
     loaded_tokens: int = 0
     loaded_bytes: int = 0
     load_misses: int = 0  # a chunk gone between lookup and load
-    load_rejected: int = 0  # a chunk whose header (tokens, parent, fingerprint, shape) did not match
+    load_rejected: int = (
+        0  # a chunk whose header (tokens, parent, fingerprint, shape) did not match
+    )
     load_timeouts: int = 0
     load_errors: int = 0  # exceptions from a tier or the scatter
     recomputed_tokens: int = 0

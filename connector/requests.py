@@ -1,5 +1,6 @@
 """What the connector keys a request by: its chunks (prefix, segment or ingest), and the
 model fingerprint every key is salted with."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,15 +13,24 @@ from tierkv.connector.plan import Chunk, RequestState
 from tierkv.kernels import FP8
 from tierkv.storage_backends.keys import ChunkHasher
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-               FP8: "float8_e4m3fn"}
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    FP8: "float8_e4m3fn",
+}
 
 
 def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> str:
     """Architecture, shape and a digest of every weight: KV of two models shares keys only
     when all of these are equal."""
-    h = xxhash.xxh3_128(repr(sorted((k, repr(v)) for k, v in vars(cfg).items())
-                             if hasattr(cfg, "__dict__") else repr(cfg)).encode())
+    h = xxhash.xxh3_128(
+        repr(
+            sorted((k, repr(v)) for k, v in vars(cfg).items())
+            if hasattr(cfg, "__dict__")
+            else repr(cfg)
+        ).encode()
+    )
     for name, p in model.state_dict().items():
         h.update(name.encode())
         h.update(memoryview(p.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)))
@@ -32,7 +42,7 @@ def request_state(request: Any, hasher: ChunkHasher, partial: bool) -> RequestSt
     prompt, those of its declared shared prefix P (if any, the last one partial) then one
     position-free chunk per reusable segment, keyed and parented under P's key; the same for
     an ingest request (P, then the one segment to store)."""
-    tokens = np.asarray(request.token_ids[:request.num_prompt_tokens], dtype=np.int32)
+    tokens = np.asarray(request.token_ids[: request.num_prompt_tokens], dtype=np.int32)
     blend, ingest = getattr(request, "blend", None) is not None, getattr(request, "ingest", False)
     if not (blend or ingest):
         chunks = prefix_chunks(hasher, tokens, partial)
@@ -40,16 +50,22 @@ def request_state(request: Any, hasher: ChunkHasher, partial: bool) -> RequestSt
     p = getattr(request, "prefix_len", 0)
     pre = prefix_chunks(hasher, tokens[:p], True) if p else []
     after = pre[-1].key if pre else None
-    spans = [(a, b) for a, b, reusable in request.segments if reusable] if blend else [(p, len(tokens))]
-    segs = [Chunk(len(pre) + i, hasher.segment_key(tokens[a:b], after), after or bytes(16), a, b)
-            for i, (a, b) in enumerate(spans)]
+    spans = (
+        [(a, b) for a, b, reusable in request.segments if reusable] if blend else [(p, len(tokens))]
+    )
+    segs = [
+        Chunk(len(pre) + i, hasher.segment_key(tokens[a:b], after), after or bytes(16), a, b)
+        for i, (a, b) in enumerate(spans)
+    ]
     return RequestState(pre + segs, tokens, prefix_chunks=len(pre))
 
 
 def prefix_chunks(hasher: ChunkHasher, tokens: np.ndarray, partial: bool) -> list[Chunk]:
     keys = hasher.prefix_keys(tokens, partial=partial)
-    return [Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
-            for i, (k, (a, b)) in enumerate(zip(keys, hasher.chunks(tokens, partial=partial)))]
+    return [
+        Chunk(i, k, keys[i - 1] if i else bytes(16), a, b)
+        for i, (k, (a, b)) in enumerate(zip(keys, hasher.chunks(tokens, partial=partial)))
+    ]
 
 
 def record_lookup(st: RequestState, tiers: list[str | None], num_computed: int, blend: bool) -> int:

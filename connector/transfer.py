@@ -5,6 +5,7 @@ checksum check and this module's header check (key, parent, fingerprint, tokens,
 dtype). A load that fails, times out or is cancelled scatters nothing more and names the
 blocks to recompute. After `cancel()` returns, no scatter of that job runs any more.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,7 @@ log = logging.getLogger("tierkv.connector")
 @dataclass(slots=True)
 class Layout:
     """What a segment of this engine must look like."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -61,16 +63,26 @@ def check_segment(seg: KVSegment, plan: LoadPlan, i: int, layout: Layout) -> str
     if seg.fingerprint != layout.fingerprint:
         return "fingerprint differs (other model, dtype or format)"
     if (seg.num_layers, seg.num_kv_heads, seg.head_dim, seg.dtype) != (
-            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype):
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.dtype,
+    ):
         return "shape or dtype differs"
-    if seg.num_tokens != c.end - c.start or not np.array_equal(seg.tokens, plan.tokens[c.start:c.end]):
+    if seg.num_tokens != c.end - c.start or not np.array_equal(
+        seg.tokens, plan.tokens[c.start : c.end]
+    ):
         return "tokens differ"
     return None
 
 
-async def fetch(store: Tier, ns: str, plan: LoadPlan, layout: Layout, stats: ConnectorStats) -> list[KVSegment]:
+async def fetch(
+    store: Tier, ns: str, plan: LoadPlan, layout: Layout, stats: ConnectorStats
+) -> list[KVSegment]:
     """The verified segments of plan's chunks, stopping at the first that is missing or wrong."""
-    segs = await asyncio.gather(*(store.get(c.key, ns) for c in plan.chunks), return_exceptions=True)
+    segs = await asyncio.gather(
+        *(store.get(c.key, ns) for c in plan.chunks), return_exceptions=True
+    )
     good: list[KVSegment] = []
     for i, seg in enumerate(segs):
         why = None
@@ -92,16 +104,26 @@ async def fetch(store: Tier, ns: str, plan: LoadPlan, layout: Layout, stats: Con
             else:
                 stats.loaded_bytes += seg.payload.numel() * seg.payload.element_size()
         if why is not None:
-            log.warning("load of request %s chunk %d rejected: %s; recomputing", plan.request_id,
-                        plan.chunks[i].index, why)
+            log.warning(
+                "load of request %s chunk %d rejected: %s; recomputing",
+                plan.request_id,
+                plan.chunks[i].index,
+                why,
+            )
             plan.failed_from = max(plan.start, plan.chunks[i].start)
             break
         good.append(seg)
     return good
 
 
-def scatter_layer(job: LoadJob, segs: list[list[KVSegment]], layer: int, caches: list[torch.Tensor],
-                  kv_scales: torch.Tensor | None, rope: RotaryEmbedding | None) -> None:
+def scatter_layer(
+    job: LoadJob,
+    segs: list[list[KVSegment]],
+    layer: int,
+    caches: list[torch.Tensor],
+    kv_scales: torch.Tensor | None,
+    rope: RotaryEmbedding | None,
+) -> None:
     """Write layer's K/V of every verified chunk into its request's blocks."""
     cache = caches[layer]
     ks, vs = (kv_scales[layer, 0], kv_scales[layer, 1]) if kv_scales is not None else (None, None)
@@ -112,12 +134,22 @@ def scatter_layer(job: LoadJob, segs: list[list[KVSegment]], layer: int, caches:
             lo, hi = max(plan.start, c.start), min(stop, c.end)
             if hi <= lo:
                 continue
-            part = seg.layer(layer)[:, lo - c.start:hi - c.start]
+            part = seg.layer(layer)[:, lo - c.start : hi - c.start]
             if plan.rotate and c.start != seg.base_position:  # R(p + d) = R(d) R(p)
-                part = torch.stack([rerotate_k(part[0], c.start - seg.base_position, rope), part[1]])
+                part = torch.stack(
+                    [rerotate_k(part[0], c.start - seg.base_position, rope), part[1]]
+                )
             if seg.scales is not None:  # fp8 chunks carry their own scales: one scatter each
-                scatter_kv(part, cache[0], cache[1], plan.block_ids, lo, ks, vs,
-                           torch.from_numpy(seg.scales[layer]))
+                scatter_kv(
+                    part,
+                    cache[0],
+                    cache[1],
+                    plan.block_ids,
+                    lo,
+                    ks,
+                    vs,
+                    torch.from_numpy(seg.scales[layer]),
+                )
             else:
                 parts.append(part)
         if parts:  # one scatter for the whole run of same-scaled chunks
@@ -125,12 +157,21 @@ def scatter_layer(job: LoadJob, segs: list[list[KVSegment]], layer: int, caches:
             scatter_kv(src, cache[0], cache[1], plan.block_ids, plan.start, ks, vs, scales)
 
 
-async def run_load(job: LoadJob, store: Tier, ns: str, layout: Layout, caches: list[torch.Tensor],
-                   kv_scales: torch.Tensor | None, stats: ConnectorStats, timeout: float) -> None:
+async def run_load(
+    job: LoadJob,
+    store: Tier,
+    ns: str,
+    layout: Layout,
+    caches: list[torch.Tensor],
+    kv_scales: torch.Tensor | None,
+    stats: ConnectorStats,
+    timeout: float,
+) -> None:
     """Fetch and verify every chunk first, then scatter layer by layer, setting each layer's event."""
     try:
         segs = await asyncio.wait_for(
-            asyncio.gather(*(fetch(store, ns, p, layout, stats) for p in job.plans)), timeout)
+            asyncio.gather(*(fetch(store, ns, p, layout, stats) for p in job.plans)), timeout
+        )
         for layer in range(layout.num_layers):
             with job.lock:
                 if job.cancelled:
@@ -152,8 +193,15 @@ async def run_load(job: LoadJob, store: Tier, ns: str, layout: Layout, caches: l
             ev.set()
 
 
-async def run_saves(saves: list[SavePlan], store: Tier, ns: str, fingerprint: bytes, codec: str,
-                    stats: ConnectorStats, done: callable) -> None:
+async def run_saves(
+    saves: list[SavePlan],
+    store: Tier,
+    ns: str,
+    fingerprint: bytes,
+    codec: str,
+    stats: ConnectorStats,
+    done: callable,
+) -> None:
     """Put each staged chunk that the store does not hold yet; done(plan) frees its staging."""
     for plan in saves:
         t0 = time.perf_counter()
@@ -162,9 +210,16 @@ async def run_saves(saves: list[SavePlan], store: Tier, ns: str, fingerprint: by
             if (await store.contains([c.key], ns))[0]:
                 stats.save_skipped += 1
                 continue
-            seg = KVSegment.from_tensor(plan.staging, key=c.key, parent=c.parent, tokens=plan.tokens,
-                                        fingerprint=fingerprint, base_position=c.start, codec=codec,
-                                        scales=None if plan.scales is None else plan.scales.numpy())
+            seg = KVSegment.from_tensor(
+                plan.staging,
+                key=c.key,
+                parent=c.parent,
+                tokens=plan.tokens,
+                fingerprint=fingerprint,
+                base_position=c.start,
+                codec=codec,
+                scales=None if plan.scales is None else plan.scales.numpy(),
+            )
             if await store.put(c.key, seg, ns):
                 stats.saved_chunks += 1
                 stats.saved_bytes += seg.nbytes
@@ -192,7 +247,7 @@ def book(job: LoadJob, states: dict, stats: ConnectorStats, block_size: int) -> 
                 st.recomputed += p.end - p.failed_from
             if not (p.rotate and not job.scattering):
                 first = p.failed_from // block_size
-                failed.update(int(b) for b in p.block_ids[first:-(-p.end // block_size)].tolist())
+                failed.update(int(b) for b in p.block_ids[first : -(-p.end // block_size)].tolist())
         for c, tier in zip(p.chunks, p.tiers):
             n = max(0, min(stop, c.end) - max(p.start, c.start))
             stats.loaded_tokens += n

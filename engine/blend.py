@@ -15,11 +15,12 @@ sequence's blocks, re-rotated to its position here. Then:
 ratio 1.0 keeps every row (exactly a full prefill); ratio 0.0 drops the loaded rows before
 layer 0 (exactly the concatenation of the re-rotated cached KV, nothing recomputed).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -33,23 +34,29 @@ class Segment:
     question) is always computed. prefix=True declares the first segment the shared prefix (a
     system prompt): it is reused exactly, as a prefix, and the reusable segments after it have
     their KV computed right after it (attending to it) and keyed under it, not standalone."""
+
     content: str | list[int]
     reusable: bool = True
     prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix and not self.reusable:
-            raise ValueError("a shared prefix segment is reused as a prefix: it cannot be reusable=False")
+            raise ValueError(
+                "a shared prefix segment is reused as a prefix: it cannot be reusable=False"
+            )
 
 
-def join_segments(prompt: list[Segment], encode: Callable[[str], list[int]]
-                  ) -> tuple[list[int], list[tuple[int, int, bool]], int]:
+def join_segments(
+    prompt: list[Segment], encode: Callable[[str], list[int]]
+) -> tuple[list[int], list[tuple[int, int, bool]], int]:
     """A segment prompt as its tokens, the (start, end, reusable) span of each segment (the
     shared prefix's is not reusable: it is reused as a prefix) and the shared prefix's length."""
     tokens, spans = [], []
     for i, s in enumerate(prompt):
         if s.prefix and i:
-            raise ValueError(f"only the first segment can be the shared prefix; segment {i} has prefix=True")
+            raise ValueError(
+                f"only the first segment can be the shared prefix; segment {i} has prefix=True"
+            )
         ids = encode(s.content) if isinstance(s.content, str) else list(s.content)
         if not ids:
             raise ValueError("a segment must hold at least one token")
@@ -76,14 +83,19 @@ class BlendParams:
 @dataclass(slots=True)
 class BlendReport:
     """What a blend prefill did (copied into the request's metrics)."""
+
     loaded: int = 0  # context tokens whose cached KV was used
     recomputed: int = 0  # of those, recomputed after the check layer
     computed: int = 0  # tokens run through every layer (question, missed segments)
     full_layers: int = 0  # layers run in full on every token (the check layer's K/V excluded)
 
     def as_dict(self) -> dict:
-        return {"loaded": self.loaded, "recomputed": self.recomputed, "computed": self.computed,
-                "full_layers": self.full_layers}
+        return {
+            "loaded": self.loaded,
+            "recomputed": self.recomputed,
+            "computed": self.computed,
+            "full_layers": self.full_layers,
+        }
 
 
 def select(fresh: torch.Tensor, cached: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -99,17 +111,20 @@ def select(fresh: torch.Tensor, cached: torch.Tensor, ratio: float) -> torch.Ten
 def rows_of(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
     mask = torch.zeros(n, dtype=torch.bool)
     for a, b in ranges:
-        mask[a:min(b, n)] = True
+        mask[a : min(b, n)] = True
     return mask
 
 
-def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]], start: int,
-                  report: BlendReport) -> torch.Tensor:
+def blend_forward(
+    runner, ctx, params: BlendParams, loaded: list[tuple[int, int]], start: int, report: BlendReport
+) -> torch.Tensor:
     """The blend prefill of the step's only sequence, whose rows are its tokens from start on;
     returns the hidden states of the rows that reach the last layer and points
     ctx.logits_indices at the last prompt token."""
     model, conn, n = runner.model, runner.connector, ctx.num_tokens
-    cand = rows_of([(a - start, b - start) for a, b in loaded], n)  # rows whose cached KV is in the blocks
+    cand = rows_of(
+        [(a - start, b - start) for a, b in loaded], n
+    )  # rows whose cached KV is in the blocks
     report.loaded, report.computed = int(cand.sum()), int((~cand).sum())
     if not cand.any():  # nothing loaded: an ordinary prefill
         return model(ctx.input_ids, ctx.positions, runner.attend)
@@ -128,10 +143,24 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
         """The kept rows' queries q over the paged cache (every key of the prompt)."""
         cache = runner.kv_caches[layer]
         ks, vs = runner.layer_scales(layer)
-        return paged_attention(q, cache[0], cache[1], ctx.all.block_tables, ctx.all.seq_lens, cu, pos32,
-                               runner.scale, ks, vs, max_seqlen_q=q.shape[0], max_seqlen_k=ctx.all.max_seqlen_k)
+        return paged_attention(
+            q,
+            cache[0],
+            cache[1],
+            ctx.all.block_tables,
+            ctx.all.seq_lens,
+            cu,
+            pos32,
+            runner.scale,
+            ks,
+            vs,
+            max_seqlen_q=q.shape[0],
+            max_seqlen_k=ctx.all.max_seqlen_k,
+        )
 
-    def subset_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def subset_attend(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         cache = runner.kv_caches[layer]
         ks, vs = runner.layer_scales(layer)
         conn.wait_for_layer_load(layer)
@@ -150,7 +179,9 @@ def blend_forward(runner, ctx, params: BlendParams, loaded: list[tuple[int, int]
             cached = cached * runner.layer_scales(layer)[which].view(-1, 1)
         else:
             cached = flat.index_select(0, cand_slots)
-        picked = torch.nonzero(cand).flatten()[select((k if which == 0 else v)[:n][cand], cached, params.ratio)]
+        picked = torch.nonzero(cand).flatten()[
+            select((k if which == 0 else v)[:n][cand], cached, params.ratio)
+        ]
         mask = ~cand
         mask[picked] = True
         report.recomputed = int(picked.numel())

@@ -3,6 +3,7 @@
 A block's reference count is the number of sequences whose block table holds it, plus one
 when the radix tree indexes it. A block with count 0 is on the free list, and only then.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -12,7 +13,9 @@ from tierkv.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"need at least one KV block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -34,7 +37,11 @@ class BlockManager:
     def _cow_index(self, seq: Sequence, num_tokens: int) -> int | None:
         """Index of the partly filled block that the next write would modify while it is shared."""
         i = seq.num_computed_tokens // self.block_size
-        if num_tokens > seq.num_computed_tokens and i < len(seq.block_table) and self.ref[seq.block_table[i]] > 1:
+        if (
+            num_tokens > seq.num_computed_tokens
+            and i < len(seq.block_table)
+            and self.ref[seq.block_table[i]] > 1
+        ):
             return i
         return None
 
@@ -92,7 +99,7 @@ class BlockManager:
         n = seq.num_computed_tokens // self.block_size
         if self.tree is None or n <= seq.num_indexed_blocks:
             return
-        node, adopted = self.tree.insert(seq.token_ids[:n * self.block_size], seq.block_table[:n])
+        node, adopted = self.tree.insert(seq.token_ids[: n * self.block_size], seq.block_table[:n])
         for b in adopted:
             self.ref[b] += 1
         self.tree.lock(node)
@@ -138,4 +145,6 @@ class BlockManager:
             for b in self.tree.all_blocks():
                 count[b] += 1
         assert count == self.ref, "reference counts drifted"
-        assert sorted(self.free) == [b for b in range(self.num_blocks) if count[b] == 0], "free list wrong"
+        assert sorted(self.free) == [b for b in range(self.num_blocks) if count[b] == 0], (
+            "free list wrong"
+        )

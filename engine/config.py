@@ -1,4 +1,5 @@
 """Configuration: the model's shape (from an HF config.json) and the engine's knobs."""
+
 from __future__ import annotations
 
 import json
@@ -8,23 +9,48 @@ from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 # Named random-weight models for the CLI and benchmarks; "bench" is the bench model of DESIGN.md.
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=512),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=704, vocab_size=8000),
-    "bench": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                  intermediate_size=1408, vocab_size=32000),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=704,
+        vocab_size=8000,
+    ),
+    "bench": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1408,
+        vocab_size=32000,
+    ),
 }
 
 
 @dataclass(slots=True)
 class ModelConfig:
     """The Llama-family shape, read from an HF config.json (Llama 2/3, Mistral, Qwen2)."""
+
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -34,7 +60,9 @@ class ModelConfig:
     head_dim: int = 0  # 0 = hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling / rope_parameters (llama3, linear, ...)
+    rope_scaling: dict[str, Any] | None = (
+        None  # HF rope_scaling / rope_parameters (llama3, linear, ...)
+    )
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 sets QKV bias
@@ -45,11 +73,13 @@ class ModelConfig:
         if self.head_dim <= 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
-                             f"of num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads {self.num_key_value_heads}"
+            )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         arch = d.get("model_type", "llama")
         if arch not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported model_type {arch!r} (llama, mistral, qwen2)")
@@ -59,26 +89,35 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
-            hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+            hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-            head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=theta, rope_scaling=None if rope_type == "default" else rope,
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            head_dim=d.get("head_dim") or 0,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", arch == "qwen2"), eos_token_id=eos,
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"))
+            attention_bias=d.get("attention_bias", arch == "qwen2"),
+            eos_token_id=eos,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """Every knob of the engine."""
-    dtype: str = "auto"  # weights/activations: auto (checkpoint's, fp32 for random) | fp32 | bf16 | fp16
+
+    dtype: str = (
+        "auto"  # weights/activations: auto (checkpoint's, fp32 for random) | fp32 | bf16 | fp16
+    )
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 (e4m3, per-layer per-head scales)
     kv_cache_bytes: int = 1 << 30  # byte budget for all layers' K and V; sets num_blocks
     block_size: int = 16  # tokens per KV block
@@ -96,8 +135,12 @@ class EngineConfig:
     # buffers are reused instead of freshly mmapped and page-faulted (steps ran 2-10x slower
     # and erratic without it here). Process-wide; the heap stays at its peak size.
     retain_host_memory: bool = True
-    blend_ratio: float = 0.15  # CacheBlend: share of reused segment tokens recomputed after the check layer
-    blend_check_layer: int = 1  # CacheBlend: layers before it run in full; rows ranked by its K/V deviation
+    blend_ratio: float = (
+        0.15  # CacheBlend: share of reused segment tokens recomputed after the check layer
+    )
+    blend_check_layer: int = (
+        1  # CacheBlend: layers before it run in full; rows ranked by its K/V deviation
+    )
     blend_metric: str = "k"  # CacheBlend: rank by fresh-vs-cached distance of "k" or "v"
 
     def __post_init__(self) -> None:
@@ -108,7 +151,9 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.matmul_dtype not in ("auto", "model", "float32"):
-            raise ValueError(f"matmul_dtype must be 'auto', 'model' or 'float32', got {self.matmul_dtype!r}")
+            raise ValueError(
+                f"matmul_dtype must be 'auto', 'model' or 'float32', got {self.matmul_dtype!r}"
+            )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.kv_cache_bytes <= 0:

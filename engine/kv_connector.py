@@ -22,6 +22,7 @@ Validity: block ids are valid only while the sequence holds them (until request_
 returns False, or until get_finished reports it). kv_layer and attn_metadata passed to
 save_kv_layer are valid only during that call. The engine never calls hooks concurrently.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -37,7 +38,9 @@ class KVConnector(ABC):
         """Tokens of request.token_ids after num_computed_tokens that can be loaded (0 = none)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """Blocks now allocated for request; the first num_external_tokens after its local hit are to load."""
 
     @abstractmethod
@@ -49,8 +52,13 @@ class KVConnector(ABC):
         """True: keep block_ids until get_finished() reports request.request_id saved."""
 
     # worker side
-    def bind_model(self, model: torch.nn.Module, model_config: Any, dtype: torch.dtype,
-                   kv_scales: torch.Tensor | None = None) -> None:
+    def bind_model(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        dtype: torch.dtype,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         """Once at start, before register_kv_caches: the model (its weights identify its KV),
         its config and dtype, and the fp8 cache scales [L, 2, Hkv] (None without fp8)."""
 
@@ -83,7 +91,9 @@ class KVConnector(ABC):
         """Blocks whose load failed this step; the engine recomputes from the first of them."""
 
     # any-position reuse (CacheBlend); the defaults mean "not supported"
-    def lookup_segments(self, segments: list[list[int]], prefix: list[int] | None = None) -> list[bool] | None:
+    def lookup_segments(
+        self, segments: list[list[int]], prefix: list[int] | None = None
+    ) -> list[bool] | None:
         """Whether the store holds each segment's KV, computed standalone or right after the
         declared shared prefix; None: no segment support."""
         return None
@@ -113,7 +123,9 @@ class NoOpConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         return 0
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         pass
 
     def build_connector_meta(self, scheduler_output: Any) -> object:

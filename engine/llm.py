@@ -1,4 +1,5 @@
 """LLM: the offline API. generate() runs schedule -> forward -> sample -> postprocess steps."""
+
 from __future__ import annotations
 
 import time
@@ -42,8 +43,12 @@ class RequestMetrics:
     external_tokens: int  # loaded through the connector
     computed_tokens: int  # run through the model (prefill, decode and any recompute)
     preemptions: int
-    connector: dict[str, Any] = field(default_factory=dict)  # the connector's own report (per tier, ...)
-    blend: dict[str, Any] = field(default_factory=dict)  # a blend prefill's report (loaded, recomputed, ...)
+    connector: dict[str, Any] = field(
+        default_factory=dict
+    )  # the connector's own report (per tier, ...)
+    blend: dict[str, Any] = field(
+        default_factory=dict
+    )  # a blend prefill's report (loaded, recomputed, ...)
 
 
 @dataclass(slots=True)
@@ -74,50 +79,105 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | Path | dict[str, Any] | ModelConfig, dtype: str = "auto",
-                 kv_cache_bytes: int = 1 << 30, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, kv_connector: KVConnector | None = None,
-                 kv_cache_dtype: str = "auto", max_num_seqs: int = 256, max_model_len: int = 0,
-                 seed: int = 0, device: str = "cpu", blend_ratio: float = 0.15, blend_check_layer: int = 1,
-                 blend_metric: str = "k", matmul_dtype: str = "auto") -> None:
-        self.config = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=kv_cache_bytes,
-                                   block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-                                   max_model_len=max_model_len, seed=seed, blend_ratio=blend_ratio,
-                                   blend_check_layer=blend_check_layer, blend_metric=blend_metric,
-                                   matmul_dtype=matmul_dtype)
+    def __init__(
+        self,
+        model: str | Path | dict[str, Any] | ModelConfig,
+        dtype: str = "auto",
+        kv_cache_bytes: int = 1 << 30,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        kv_connector: KVConnector | None = None,
+        kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 256,
+        max_model_len: int = 0,
+        seed: int = 0,
+        device: str = "cpu",
+        blend_ratio: float = 0.15,
+        blend_check_layer: int = 1,
+        blend_metric: str = "k",
+        matmul_dtype: str = "auto",
+    ) -> None:
+        self.config = EngineConfig(
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+            seed=seed,
+            blend_ratio=blend_ratio,
+            blend_check_layer=blend_check_layer,
+            blend_metric=blend_metric,
+            matmul_dtype=matmul_dtype,
+        )
         BlendParams(blend_ratio, blend_check_layer, blend_metric)  # checks the global knobs now
-        net, self.model_config, self.dtype, self.tokenizer = load_model(model, self.config.dtype, seed)
+        net, self.model_config, self.dtype, self.tokenizer = load_model(
+            model, self.config.dtype, seed
+        )
         self.device = torch.device(device)
         self.connector = kv_connector or NoOpConnector()
-        self.runner = ModelRunner(net.to(self.device), self.model_config, self.config, self.dtype,
-                                  self.connector, self.device)
+        self.runner = ModelRunner(
+            net.to(self.device),
+            self.model_config,
+            self.config,
+            self.dtype,
+            self.connector,
+            self.device,
+        )
         self.blocks = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         max_len = max_model_len or self.model_config.max_position_embeddings
-        self.scheduler = Scheduler(self.config, self.blocks, self.connector, self.model_config.eos_token_id, max_len)
+        self.scheduler = Scheduler(
+            self.config, self.blocks, self.connector, self.model_config.eos_token_id, max_len
+        )
         self._rng = torch.Generator().manual_seed(seed)
         self._next_id = 0
         self._groups: dict[int, list[Sequence]] = {}
         self.stats = EngineStats()
 
-    def _new_seq(self, group: int, rid: str, tokens: list[int], prompt_len: int, params: SamplingParams,
-                 index: int) -> Sequence:
-        seed = params.seed + index if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._rng))
-        seq = Sequence(self._next_id, rid if index == 0 else f"{rid}/{index}", group, list(tokens), prompt_len,
-                       params, torch.Generator().manual_seed(seed), sample_index=index)
+    def _new_seq(
+        self,
+        group: int,
+        rid: str,
+        tokens: list[int],
+        prompt_len: int,
+        params: SamplingParams,
+        index: int,
+    ) -> Sequence:
+        seed = (
+            params.seed + index
+            if params.seed is not None
+            else int(torch.randint(1 << 62, (1,), generator=self._rng))
+        )
+        seq = Sequence(
+            self._next_id,
+            rid if index == 0 else f"{rid}/{index}",
+            group,
+            list(tokens),
+            prompt_len,
+            params,
+            torch.Generator().manual_seed(seed),
+            sample_index=index,
+        )
         self._next_id += 1
         self._groups.setdefault(group, []).append(seq)
         return seq
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("text prompt given but the model has no tokenizer.json; pass token ids")
+            raise ValueError(
+                "text prompt given but the model has no tokenizer.json; pass token ids"
+            )
         return self.tokenizer.encode(text).ids
 
     def _blend_params(self, params: SamplingParams) -> BlendParams:
         c = self.config
         ratio = c.blend_ratio if params.blend_ratio is None else params.blend_ratio
-        layer = c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
+        layer = (
+            c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
+        )
         return BlendParams(ratio, layer, c.blend_metric)
 
     def ingest(self, segments: list[list[int]], prefix: list[int] | None = None) -> int:
@@ -145,7 +205,9 @@ class LLM:
         self.connector.flush()
         return len(todo)
 
-    def add_request(self, group: int, prompt: str | list[int] | list[Segment], params: SamplingParams) -> Sequence:
+    def add_request(
+        self, group: int, prompt: str | list[int] | list[Segment], params: SamplingParams
+    ) -> Sequence:
         spans, prefix_len = None, 0
         if isinstance(prompt, str):
             prompt = self._encode(prompt)
@@ -169,7 +231,9 @@ class LLM:
         """One engine step; returns the number of tokens it computed."""
         out = self.scheduler.schedule()
         if not out.seqs:
-            raise RuntimeError("nothing fits: a single sequence needs more KV blocks than the cache holds")
+            raise RuntimeError(
+                "nothing fits: a single sequence needs more KV blocks than the cache holds"
+            )
         logits = self.runner.run(out)
         samplers = [s for s, smp in zip(out.seqs, out.samples()) if smp]
         rows, seqs, children = [], [], []
@@ -178,8 +242,14 @@ class LLM:
             seqs.append(seq)
             if seq.params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0:
                 for k in range(1, seq.params.n):  # the other samples share this prompt's KV
-                    child = self._new_seq(seq.group_id, seq.request_id, seq.token_ids, seq.num_prompt_tokens,
-                                          seq.params, k)
+                    child = self._new_seq(
+                        seq.group_id,
+                        seq.request_id,
+                        seq.token_ids,
+                        seq.num_prompt_tokens,
+                        seq.params,
+                        k,
+                    )
                     children.append((seq, child))
                     rows.append(i)
                     seqs.append(child)
@@ -197,7 +267,12 @@ class LLM:
         self.scheduler.release_saved(saved)
         used, empty = self.scheduler.kv_slots()
         st = self.stats
-        st.steps, st.tokens, st.kv_slots, st.kv_slots_empty = st.steps + 1, st.tokens + out.num_tokens, st.kv_slots + used, st.kv_slots_empty + empty
+        st.steps, st.tokens, st.kv_slots, st.kv_slots_empty = (
+            st.steps + 1,
+            st.tokens + out.num_tokens,
+            st.kv_slots + used,
+            st.kv_slots_empty + empty,
+        )
         return out.num_tokens
 
     def _drain_saves(self, timeout: float = 60.0) -> None:
@@ -206,13 +281,20 @@ class LLM:
         while self.scheduler.held:
             self.scheduler.release_saved(self.connector.get_finished()[0])
             if time.monotonic() > deadline:
-                raise TimeoutError(f"connector still holds {len(self.scheduler.held)} finished requests")
+                raise TimeoutError(
+                    f"connector still holds {len(self.scheduler.held)} finished requests"
+                )
             time.sleep(0.001)
 
-    def generate(self, prompts: list[str] | list[list[int]] | str | list[int],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, Segment))):
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str | list[int],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, Segment))
+        ):
             prompts = [prompts]
         segmented = [p for p in prompts if isinstance(p, list) and p and isinstance(p[0], Segment)]
         if segmented and self.connector.lookup_segments([]) is not None:
@@ -221,7 +303,9 @@ class LLM:
             docs: dict[tuple[int, ...], list[list[int]]] = {}
             for p in segmented:
                 toks, spans, n = join_segments(p, self._encode)
-                docs.setdefault(tuple(toks[:n]), []).extend(toks[a:b] for a, b, reusable in spans if reusable)
+                docs.setdefault(tuple(toks[:n]), []).extend(
+                    toks[a:b] for a, b, reusable in spans if reusable
+                )
             for prefix, segs in docs.items():
                 self.ingest(segs, list(prefix))
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -250,11 +334,27 @@ class LLM:
         for s in seqs:
             m = s.metrics
             text = self.tokenizer.decode(s.output_ids) if self.tokenizer is not None else None
-            outs.append(Completion(s.output_ids, text, s.finish_reason or "length", RequestMetrics(
-                m.first_token_time - m.arrival_time, m.finish_time - m.first_token_time, s.num_prompt_tokens,
-                m.num_cached_tokens, m.num_external_tokens, m.num_computed_tokens, m.num_preemptions, m.connector,
-                m.blend)))
-        return RequestOutput(seqs[0].request_id, seqs[0].token_ids[:seqs[0].num_prompt_tokens], outs)
+            outs.append(
+                Completion(
+                    s.output_ids,
+                    text,
+                    s.finish_reason or "length",
+                    RequestMetrics(
+                        m.first_token_time - m.arrival_time,
+                        m.finish_time - m.first_token_time,
+                        s.num_prompt_tokens,
+                        m.num_cached_tokens,
+                        m.num_external_tokens,
+                        m.num_computed_tokens,
+                        m.num_preemptions,
+                        m.connector,
+                        m.blend,
+                    ),
+                )
+            )
+        return RequestOutput(
+            seqs[0].request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], outs
+        )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -1,10 +1,12 @@
 """Build the model: from an HF checkpoint directory (config.json + safetensors, sharded or
 not; tokenizer.json when present) or with random weights from a config."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -41,8 +43,9 @@ def resolve_dtype(dtype: str, cfg: ModelConfig | None) -> torch.dtype:
     return DTYPES.get(cfg.torch_dtype, torch.float32) if cfg is not None else torch.float32
 
 
-def load_model(model: str | Path | dict[str, Any] | ModelConfig, dtype: str,
-               seed: int) -> tuple[LlamaForCausalLM, ModelConfig, torch.dtype, Any]:
+def load_model(
+    model: str | Path | dict[str, Any] | ModelConfig, dtype: str, seed: int
+) -> tuple[LlamaForCausalLM, ModelConfig, torch.dtype, Any]:
     """(model in eval mode, its config, its dtype, a tokenizers.Tokenizer or None)."""
     tokenizer = None
     if isinstance(model, (str, Path)):
@@ -55,6 +58,7 @@ def load_model(model: str | Path | dict[str, Any] | ModelConfig, dtype: str,
         net.load_weights(iter_weights(path))
         if (path / "tokenizer.json").exists():
             from tokenizers import Tokenizer
+
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     else:
         cfg = model if isinstance(model, ModelConfig) else ModelConfig.from_dict(model)

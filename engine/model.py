@@ -5,9 +5,10 @@ is a callback, `attend(layer, q, k, v) -> out`, supplied by the ModelRunner for 
 the runner owns every cache write, connector hook and per-layer schedule (CacheBlend can run
 the later layers on a subset of rows by calling `layer()` itself).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear whose weight may be wider than its input (see LlamaForCausalLM.widen_matmuls),
     then with the model-dtype weight kept as `narrow` for steps of few rows."""
+
     narrow: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,11 +46,15 @@ class Attention(nn.Module):
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         # q, k and v in one matmul (the loader packs HF's q_proj/k_proj/v_proj into it).
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rope = rope
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [N, Hq, D], k and v [N, Hkv, D] of normed rows x, q and k rotated to their positions."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = x.shape[0]
@@ -74,7 +80,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         q, k, v = self.self_attn.qkv(self.input_layernorm(h), positions)
         return self.finish(h, attend(layer, q, k, v))
 
@@ -87,13 +95,20 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint name fragment -> (our module fragment, shard index in the packed weight)
-    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        rope = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -101,7 +116,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """Final hidden states [N, hidden] (before the norm) of flattened tokens."""
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
@@ -118,7 +135,9 @@ class LlamaForCausalLM(nn.Module):
         weights stay too, as each Linear's `narrow`, for steps of few rows (layer_ops.GEMV_ROWS):
         the weights then take the bf16 bytes plus the widened copy's."""
         if self.lm_head.weight is self.embed_tokens.weight:
-            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().to(dtype), requires_grad=False)
+            self.lm_head.weight = nn.Parameter(
+                self.embed_tokens.weight.detach().to(dtype), requires_grad=False
+            )
             self.lm_head.narrow = self.embed_tokens.weight.detach()  # shared with the embedding
         for m in self.modules():
             if isinstance(m, Linear):  # column-major: the GEMM reads it untransposed (M=1: -15-20%)
@@ -152,11 +171,19 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             p = params[target]
-            dst = p.data if shard is None else p.data.narrow(0, *self._shard(self.cfg, target.split(".")[-2], shard))
+            dst = (
+                p.data
+                if shard is None
+                else p.data.narrow(0, *self._shard(self.cfg, target.split(".")[-2], shard))
+            )
             if dst.shape != w.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}"
+                )
             dst.copy_(w)
             filled[target] = filled.get(target, 0) + dst.numel()
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
         if missing:
-            raise ValueError(f"checkpoint lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"checkpoint lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )

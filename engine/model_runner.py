@@ -3,20 +3,20 @@
 The forward goes layer by layer through `attend`, which is where the connector's per-layer
 load wait and save happen, around the KV write and the paged attention of `kernels`.
 """
+
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tierkv.engine.blend import BlendReport, blend_forward
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.model import LlamaForCausalLM
 from tierkv.engine.scheduler import SchedulerOutput
-import torch.nn.functional as F
-
 from tierkv.kernels import cpu, fp8_scales, paged_attention, use_triton, write_kv
 from tierkv.kernels.layer_ops import native_matmul
 
@@ -38,6 +38,7 @@ def bucket(n: int) -> int:
 @dataclass(slots=True)
 class PagedBatch:
     """The sequences that attend through the paged cache (decodes, chunks over a cached prefix)."""
+
     rows: torch.Tensor | None  # int64 query rows of these sequences; None = all real rows
     block_tables: torch.Tensor  # int32 [B, max_blocks], -1 padded
     seq_lens: torch.Tensor  # int32 [B] keys in cache after this step's write
@@ -51,6 +52,7 @@ class PagedBatch:
 class Context:
     """Attention metadata of one step: the scheduled sequences' new tokens, flattened and
     padded to bucket(num_tokens) rows (padding rows write no KV and attend to nothing)."""
+
     input_ids: torch.Tensor  # int64 [N]
     positions: torch.Tensor  # int64 [N] absolute positions
     slot_mapping: torch.Tensor  # int64 [N] cache slot of each new token, -1 for padding
@@ -71,8 +73,11 @@ def retain_host_memory() -> bool:
     except OSError:
         return False  # not glibc: leave the allocator alone
     m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 40)
-                and libc.mallopt(m_top_pad, 64 << 20))
+    return bool(
+        libc.mallopt(m_mmap_max, 0)
+        and libc.mallopt(m_trim_threshold, 1 << 40)
+        and libc.mallopt(m_top_pad, 64 << 20)
+    )
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -81,47 +86,65 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype,
-                 connector: KVConnector, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cfg: ModelConfig,
+        config: EngineConfig,
+        dtype: torch.dtype,
+        connector: KVConnector,
+        device: torch.device,
+    ) -> None:
         self.model, self.cfg, self.config, self.device = model, cfg, config, device
         self.connector = connector
         if config.retain_host_memory and device.type == "cpu":
             retain_host_memory()
         self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else dtype
-        self.num_blocks = config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size, self.kv_dtype)
+        self.num_blocks = config.kv_cache_bytes // kv_bytes_per_block(
+            cfg, config.block_size, self.kv_dtype
+        )
         if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes {config.kv_cache_bytes} is less than one block "
-                             f"({kv_bytes_per_block(cfg, config.block_size, self.kv_dtype)} bytes)")
+            raise ValueError(
+                f"kv_cache_bytes {config.kv_cache_bytes} is less than one block "
+                f"({kv_bytes_per_block(cfg, config.block_size, self.kv_dtype)} bytes)"
+            )
         shape = (2, self.num_blocks, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
         # fp8: per-layer, per-head scales [L, 2, Hkv], calibrated on the first forward.
-        self.kv_scales = torch.ones(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, device=device)
+        self.kv_scales = torch.ones(
+            cfg.num_hidden_layers, 2, cfg.num_key_value_heads, device=device
+        )
         self.calibrated = self.kv_dtype != FP8
         # The C++ CPU decode kernel walks each sequence's own keys: decodes of any lengths go in
         # one call. The torch reference pads a decode batch to its longest sequence instead.
         q = torch.empty(1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=device)
         self.one_decode_group = cpu.decode_usable(q, self.kv_caches[0][0], self.kv_caches[0][1])
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.ctx: Context | None = None
         # kv_scales is filled in place on the first forward, so the connector sees the final scales.
         connector.bind_model(model, cfg, dtype, self.kv_scales if self.kv_dtype == FP8 else None)
         connector.register_kv_caches(self.kv_caches)
         # After bind_model: the connector's model fingerprint covers the weights as loaded.
-        if config.matmul_dtype == "float32" or (config.matmul_dtype == "auto" and not native_matmul(dtype, device)):
+        if config.matmul_dtype == "float32" or (
+            config.matmul_dtype == "auto" and not native_matmul(dtype, device)
+        ):
             model.widen_matmuls(torch.float32)
 
     def prepare(self, out: SchedulerOutput) -> Context:
         bs, ids, counts, starts = self.config.block_size, [], [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
+            ids += seq.token_ids[start : start + n]
             counts.append(n)
             starts.append(start)
         b, n, dev = len(out.seqs), len(ids), self.device
         width = max(len(s.block_table) for s in out.seqs)
         tables = torch.full((b, width), -1, dtype=torch.int32)
         for i, s in enumerate(out.seqs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         count_t, start_t = torch.tensor(counts), torch.tensor(starts)
         cu = torch.zeros(b + 1, dtype=torch.int64)
         cu[1:] = count_t.cumsum(0)
@@ -131,8 +154,15 @@ class ModelRunner:
         pad = bucket(n) - n
         sampled = (cu[1:] - 1)[torch.tensor(out.samples(), dtype=torch.bool)]
         lens = start_t + count_t
-        full = PagedBatch(None, tables.to(dev), lens.to(torch.int32).to(dev), cu.to(torch.int32).to(dev),
-                          positions.to(torch.int32).to(dev), max(counts), int(lens.max()))
+        full = PagedBatch(
+            None,
+            tables.to(dev),
+            lens.to(torch.int32).to(dev),
+            cu.to(torch.int32).to(dev),
+            positions.to(torch.int32).to(dev),
+            max(counts),
+            int(lens.max()),
+        )
         if use_triton(tables.to(dev)):  # the Triton kernel takes the whole step at once
             fresh, paged = [], [full]
         else:
@@ -140,7 +170,9 @@ class ModelRunner:
             # no gather. The torch reference pads a decode batch to its longest sequence, so there
             # decodes go in groups of similar length; chunks over a cached prefix go in one more call.
             is_fresh = (start_t == 0) & (count_t > 1)
-            fresh = [(int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()]
+            fresh = [
+                (int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()
+            ]
             dec = sorted((i for i in range(b) if counts[i] == 1), key=lambda i: -starts[i])
             groups, cur = [], []
             split = not self.one_decode_group
@@ -150,36 +182,66 @@ class ModelRunner:
                     cur = []
                 cur.append(i)
             groups += [cur] if cur else []
-            groups += [g] if (g := torch.nonzero(~is_fresh & (count_t > 1)).flatten().tolist()) else []
+            groups += (
+                [g] if (g := torch.nonzero(~is_fresh & (count_t > 1)).flatten().tolist()) else []
+            )
             paged = [self._batch(g, tables, lens, count_t, cu, positions) for g in groups]
             if len(paged) == 1 and paged[0].rows.numel() == n:
                 paged = [full]
         self.ctx = Context(
-            input_ids=F.pad(torch.tensor(ids), (0, pad)).to(dev), positions=F.pad(positions, (0, pad)).to(dev),
-            slot_mapping=F.pad(slots, (0, pad), value=-1).to(dev), num_tokens=n,
+            input_ids=F.pad(torch.tensor(ids), (0, pad)).to(dev),
+            positions=F.pad(positions, (0, pad)).to(dev),
+            slot_mapping=F.pad(slots, (0, pad), value=-1).to(dev),
+            num_tokens=n,
             logits_indices=F.pad(sampled, (0, bucket(len(sampled)) - len(sampled))).to(dev),
-            num_sampled=len(sampled), all=full, paged=paged, fresh=fresh,
-            seq_ids=[s.seq_id for s in out.seqs], block_ids=[list(s.block_table) for s in out.seqs])
+            num_sampled=len(sampled),
+            all=full,
+            paged=paged,
+            fresh=fresh,
+            seq_ids=[s.seq_id for s in out.seqs],
+            block_ids=[list(s.block_table) for s in out.seqs],
+        )
         return self.ctx
 
-    def _batch(self, idx: list[int], tables: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor,
-               cu: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
+    def _batch(
+        self,
+        idx: list[int],
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        counts: torch.Tensor,
+        cu: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> PagedBatch:
         sel = torch.tensor(idx)
         c = counts[sel]
         kcu = torch.zeros(len(idx) + 1, dtype=torch.int64)
         kcu[1:] = c.cumsum(0)
         rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in idx])
-        width = max(1, int((lens[sel].max() + self.config.block_size - 1) // self.config.block_size))
+        width = max(
+            1, int((lens[sel].max() + self.config.block_size - 1) // self.config.block_size)
+        )
         dev = self.device
-        return PagedBatch(rows.to(dev), tables[sel, :width].to(dev), lens[sel].to(torch.int32).to(dev),
-                          kcu.to(torch.int32).to(dev), positions[rows].to(torch.int32).to(dev),
-                          int(c.max()), int(lens[sel].max()))
+        return PagedBatch(
+            rows.to(dev),
+            tables[sel, :width].to(dev),
+            lens[sel].to(torch.int32).to(dev),
+            kcu.to(torch.int32).to(dev),
+            positions[rows].to(torch.int32).to(dev),
+            int(c.max()),
+            int(lens[sel].max()),
+        )
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(k_scale, v_scale) of layer's fp8 cache, or (None, None)."""
-        return (self.kv_scales[layer, 0], self.kv_scales[layer, 1]) if self.kv_dtype == FP8 else (None, None)
+        return (
+            (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
+            if self.kv_dtype == FP8
+            else (None, None)
+        )
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Write the step's K/V of layer into the cache (after that layer's load landed) and hand
         it to the connector's saves; returns the layer's fp8 scales (or Nones)."""
         ctx, cache = self.ctx, self.kv_caches[layer]
@@ -201,17 +263,35 @@ class ModelRunner:
         kernel = bool(ctx.fresh) and cpu.prefill_usable(q, k, v)
         for s, e in ctx.fresh:
             if kernel:
-                out[s:e] = cpu.prefill_attention(q[s:e], k[s:e], v[s:e], ctx.positions[s:e], self.scale)
+                out[s:e] = cpu.prefill_attention(
+                    q[s:e], k[s:e], v[s:e], ctx.positions[s:e], self.scale
+                )
                 continue
             # 4-D: 3-D inputs fall back to SDPA's slow math path on CPU (7x)
             out[s:e] = F.scaled_dot_product_attention(
-                q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2),
-                is_causal=True, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
+                q[None, s:e].transpose(1, 2),
+                k[None, s:e].transpose(1, 2),
+                v[None, s:e].transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
         for p in ctx.paged:
             qp = q[:n] if p.rows is None else q[p.rows]
-            o = paged_attention(qp, cache[0], cache[1], p.block_tables, p.seq_lens, p.cu_seqlens_q,
-                                p.q_positions, self.scale, ks, vs, max_seqlen_q=p.max_seqlen_q,
-                                max_seqlen_k=p.max_seqlen_k)
+            o = paged_attention(
+                qp,
+                cache[0],
+                cache[1],
+                p.block_tables,
+                p.seq_lens,
+                p.cu_seqlens_q,
+                p.q_positions,
+                self.scale,
+                ks,
+                vs,
+                max_seqlen_q=p.max_seqlen_q,
+                max_seqlen_k=p.max_seqlen_k,
+            )
             if p.rows is None:
                 out[:n] = o
             else:
@@ -227,11 +307,19 @@ class ModelRunner:
         ctx = self.prepare(out)
         self.connector.start_load_kv(out.connector_meta)
         if out.blend is not None:
-            self.connector.wait_for_layer_load(0)  # fetched and verified: the loaded ranges are known
+            self.connector.wait_for_layer_load(
+                0
+            )  # fetched and verified: the loaded ranges are known
             report = BlendReport()
             seq = out.blend
-            h = blend_forward(self, ctx, seq.blend, self.connector.get_loaded_ranges(seq.request_id),
-                              seq.num_computed_tokens, report)
+            h = blend_forward(
+                self,
+                ctx,
+                seq.blend,
+                self.connector.get_loaded_ranges(seq.request_id),
+                seq.num_computed_tokens,
+                report,
+            )
             seq.metrics.blend = report.as_dict()
         else:
             h = self.model(ctx.input_ids, ctx.positions, self.attend)
@@ -243,4 +331,4 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward the step; fp32 logits [S, vocab] of the sequences that sample, in order."""
         h = self.forward(out)
-        return self.model.logits(h[self.ctx.logits_indices])[:self.ctx.num_sampled]
+        return self.model.logits(h[self.ctx.logits_indices])[: self.ctx.num_sampled]

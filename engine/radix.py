@@ -5,6 +5,7 @@ knows block ids only; the BlockManager owns their reference counts (the tree hol
 each block it indexes). A node is locked while a running sequence uses it; locks count up to
 the root, so an unlocked node has no locked descendant and only unlocked leaves are evicted.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 class Node:
     key: tuple[int, ...] = ()
     blocks: list[int] = field(default_factory=list)
-    parent: "Node | None" = None
-    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    parent: Node | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
 
@@ -48,11 +49,13 @@ class RadixTree:
     def _split(self, node: Node, nblocks: int) -> Node:
         """Cut node after nblocks blocks; returns the new upper part (node becomes its child)."""
         cut = nblocks * self.block_size
-        upper = Node(node.key[:cut], node.blocks[:nblocks], node.parent, {}, node.lock_ref, node.last_access)
+        upper = Node(
+            node.key[:cut], node.blocks[:nblocks], node.parent, {}, node.lock_ref, node.last_access
+        )
         assert node.parent is not None
-        node.parent.children[node.key[:self.block_size]] = upper
+        node.parent.children[node.key[: self.block_size]] = upper
         node.key, node.blocks, node.parent = node.key[cut:], node.blocks[nblocks:], upper
-        upper.children[node.key[:self.block_size]] = node
+        upper.children[node.key[: self.block_size]] = node
         return upper
 
     def _walk(self, tokens: list[int] | tuple[int, ...], split: bool) -> tuple[list[int], Node]:
@@ -60,12 +63,16 @@ class RadixTree:
         node, blocks, i, now = self.root, [], 0, self._tick()
         node.last_access = now
         while i < n:
-            child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
+            child = node.children.get(tuple(tokens[i * bs : (i + 1) * bs]))
             if child is None:
                 break
             k = 1  # the first block matched by the dict key
-            while k < len(child.blocks) and i + k < n and \
-                    child.key[k * bs:(k + 1) * bs] == tuple(tokens[(i + k) * bs:(i + k + 1) * bs]):
+            while (
+                k < len(child.blocks)
+                and i + k < n
+                and child.key[k * bs : (k + 1) * bs]
+                == tuple(tokens[(i + k) * bs : (i + k + 1) * bs])
+            ):
                 k += 1
             if k < len(child.blocks):
                 if not split:
@@ -94,10 +101,10 @@ class RadixTree:
         if len(tokens) != len(blocks) * bs:
             raise ValueError(f"{len(tokens)} tokens for {len(blocks)} blocks of {bs}")
         have, node = self._walk(tokens, split=True)
-        rest = blocks[len(have):]
+        rest = blocks[len(have) :]
         if not rest:
             return node, []
-        child = Node(tuple(tokens[len(have) * bs:]), list(rest), node, {}, 0, self._tick())
+        child = Node(tuple(tokens[len(have) * bs :]), list(rest), node, {}, 0, self._tick())
         node.children[child.key[:bs]] = child
         self.num_blocks += len(rest)
         return child, list(rest)
@@ -141,9 +148,9 @@ class RadixTree:
         while heap and len(out) < num_blocks:
             _, _, n = heapq.heappop(heap)
             take = min(num_blocks - len(out), len(n.blocks))
-            out += n.blocks[len(n.blocks) - take:][::-1]
-            del n.blocks[len(n.blocks) - take:]
-            n.key = n.key[:len(n.blocks) * self.block_size]
+            out += n.blocks[len(n.blocks) - take :][::-1]
+            del n.blocks[len(n.blocks) - take :]
+            n.key = n.key[: len(n.blocks) * self.block_size]
             if not n.blocks:
                 parent = n.parent
                 assert parent is not None

@@ -1,4 +1,5 @@
 """Sampler: greedy, temperature, top-k, top-p, each request with its own generator."""
+
 from __future__ import annotations
 
 import torch

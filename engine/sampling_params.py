@@ -1,4 +1,5 @@
 """Per-request sampling settings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class SamplingParams:
     """temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters."""
+
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -15,8 +17,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # parallel samples sharing the prompt's KV blocks (copy-on-write)
-    blend_ratio: float | None = None  # segment prompts: share of reused tokens recomputed (None: engine's)
-    blend_check_layer: int | None = None  # segment prompts: the layer whose deviation ranks rows (None: engine's)
+    blend_ratio: float | None = (
+        None  # segment prompts: share of reused tokens recomputed (None: engine's)
+    )
+    blend_check_layer: int | None = (
+        None  # segment prompts: the layer whose deviation ranks rows (None: engine's)
+    )
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -5,6 +5,7 @@ prefill chunks, oldest first), then waiting ones FCFS while budget and blocks la
 blocks run out the newest running sequence is preempted (its KV freed, recomputed later).
 Nothing depends on time or hashing, so a workload always schedules the same way.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -36,8 +37,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, connector: KVConnector,
-                 eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        blocks: BlockManager,
+        connector: KVConnector,
+        eos_token_ids: list[int],
+        max_model_len: int,
+    ) -> None:
         self.config = config
         self.blocks = blocks
         self.connector = connector
@@ -51,7 +58,9 @@ class Scheduler:
         if len(seq) < 1:
             raise ValueError("empty prompt")
         if len(seq) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(seq)} tokens does not fit max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"prompt of {len(seq)} tokens does not fit max_model_len {self.max_model_len}"
+            )
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -83,7 +92,11 @@ class Scheduler:
         self.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
         seq.num_computed_tokens = hit + exact
         if not seq.admitted:
-            seq.admitted, seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = True, hit, ext
+            seq.admitted, seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = (
+                True,
+                hit,
+                ext,
+            )
         seq.exact_kv = seq.exact_kv and ext == exact  # segments loaded: the KV will be blended
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.seq_id)
@@ -92,7 +105,11 @@ class Scheduler:
         return out
 
     def schedule(self) -> SchedulerOutput:
-        if self.waiting and self.waiting[0].blend is not None and len(self.running) < self.config.max_num_seqs:
+        if (
+            self.waiting
+            and self.waiting[0].blend is not None
+            and len(self.running) < self.config.max_num_seqs
+        ):
             out = self._schedule_blend()
             if out is not None:
                 return out
@@ -114,14 +131,21 @@ class Scheduler:
             out.copies += copies
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             if seq.blend is not None:
                 break  # admitted alone, by _schedule_blend
             hit = self.blocks.match_prefix(seq)
             seq.num_computed_tokens = hit
             ext = self.connector.get_num_new_matched_tokens(seq, hit)
-            ext = max(0, min(int(ext), len(seq) - 1 - hit))  # the last prompt token is always computed
+            ext = max(
+                0, min(int(ext), len(seq) - 1 - hit)
+            )  # the last prompt token is always computed
             n = min(len(seq) - hit - ext, budget)
             copies = self.blocks.allocate(seq, hit + ext + n)
             if copies is None:
@@ -143,8 +167,13 @@ class Scheduler:
         out.connector_meta = self.connector.build_connector_meta(out)
         return out
 
-    def postprocess(self, out: SchedulerOutput, tokens: dict[int, int], failed_blocks: set[int],
-                    children: list[tuple[Sequence, Sequence]] = ()) -> list[Sequence]:
+    def postprocess(
+        self,
+        out: SchedulerOutput,
+        tokens: dict[int, int],
+        failed_blocks: set[int],
+        children: list[tuple[Sequence, Sequence]] = (),
+    ) -> list[Sequence]:
         """Advance each scheduled sequence by its step and append its sampled token (tokens is by
         seq_id); roll back sequences whose loaded blocks failed (from the first failed block, the
         sample dropped); add the n > 1 children of parents that sampled their first token.
@@ -154,14 +183,20 @@ class Scheduler:
             seq.num_computed_tokens += n
             seq.metrics.num_computed_tokens += n
             bad = next((j for j, b in enumerate(seq.block_table) if b in failed_blocks), None)
-            if bad is not None and seq is out.blend:  # blended KV is all or nothing: prefill plainly
-                start = min(bad * bs, seq.num_computed_tokens - n)  # the step's start, or a failed prefix load
+            if (
+                bad is not None and seq is out.blend
+            ):  # blended KV is all or nothing: prefill plainly
+                start = min(
+                    bad * bs, seq.num_computed_tokens - n
+                )  # the step's start, or a failed prefix load
                 seq.num_computed_tokens, seq.blend, seq.metrics.num_external_tokens = start, None, 0
                 continue
             if bad is not None and bad * bs < seq.num_computed_tokens:
                 m = seq.metrics
-                m.num_external_tokens -= min(m.num_external_tokens,
-                                             max(0, m.num_cached_tokens + m.num_external_tokens - bad * bs))
+                m.num_external_tokens -= min(
+                    m.num_external_tokens,
+                    max(0, m.num_cached_tokens + m.num_external_tokens - bad * bs),
+                )
                 seq.num_computed_tokens = bad * bs
                 continue
             token = tokens.get(seq.seq_id)
@@ -170,12 +205,19 @@ class Scheduler:
             if seq.exact_kv:  # blended KV is approximate: never offered to the prefix cache
                 self.blocks.cache_blocks(seq)
         for parent, child in children:
-            if parent.num_output_tokens != 1 or parent.num_computed_tokens != parent.num_prompt_tokens:
+            if (
+                parent.num_output_tokens != 1
+                or parent.num_computed_tokens != parent.num_prompt_tokens
+            ):
                 continue  # the parent was rolled back; it forks when it samples again
             self.blocks.fork(parent, child)
             child.status, child.admitted = Status.RUNNING, True
             m, pm = child.metrics, parent.metrics
-            m.arrival_time, m.num_cached_tokens, m.num_external_tokens = pm.arrival_time, pm.num_cached_tokens, pm.num_external_tokens
+            m.arrival_time, m.num_cached_tokens, m.num_external_tokens = (
+                pm.arrival_time,
+                pm.num_cached_tokens,
+                pm.num_external_tokens,
+            )
             bisect.insort(self.running, child, key=lambda s: s.seq_id)
             self._append(child, tokens[child.seq_id], finished)
         for seq in finished:
@@ -208,10 +250,15 @@ class Scheduler:
         """(allocated KV slots, slots holding no token): blocks in use * block_size, and the
         unfilled tails of the running sequences' blocks."""
         used = (self.blocks.num_blocks - len(self.blocks.free)) * self.blocks.block_size
-        empty = sum(len(s.block_table) * self.blocks.block_size - s.num_computed_tokens for s in self.running)
+        empty = sum(
+            len(s.block_table) * self.blocks.block_size - s.num_computed_tokens
+            for s in self.running
+        )
         return used, empty
 
     def check_integrity(self) -> None:
         live = self.running + list(self.held.values()) + [s for s in self.waiting if s.block_table]
         self.blocks.check_integrity(live)
-        assert all(a.seq_id < b.seq_id for a, b in zip(self.running, self.running[1:])), "running unsorted"
+        assert all(a.seq_id < b.seq_id for a, b in zip(self.running, self.running[1:])), (
+            "running unsorted"
+        )

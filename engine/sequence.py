@@ -1,4 +1,5 @@
 """Sequence: the token state of one generation (one of a request's n samples)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,7 +26,9 @@ class SeqMetrics:
     num_external_tokens: int = 0  # loaded through the connector
     num_computed_tokens: int = 0  # run through the model, recomputation included
     num_preemptions: int = 0
-    connector: dict = field(default_factory=dict)  # what the connector reports (tokens per tier, ...)
+    connector: dict = field(
+        default_factory=dict
+    )  # what the connector reports (tokens per tier, ...)
     blend: dict = field(default_factory=dict)  # what a blend prefill did (BlendReport.as_dict())
 
 
@@ -33,6 +36,7 @@ class SeqMetrics:
 class Sequence:
     """Invariants: prompt = token_ids[:num_prompt_tokens]; the KV of token_ids[:num_computed_tokens]
     is in the blocks of block_table (block i holds tokens [i*bs, (i+1)*bs))."""
+
     seq_id: int  # arrival order; newer sequences have larger ids
     request_id: str  # unique per sequence ("7", or "7/1" for the second of n samples)
     group_id: int  # index of the prompt in the generate() call
@@ -67,7 +71,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

@@ -12,6 +12,7 @@
 
     python -m examples.rag_demo
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,15 @@ from pathlib import Path
 
 import torch
 
-MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-             intermediate_size=1408, vocab_size=32000, max_position_embeddings=8192)
+MODEL = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=1408,
+    vocab_size=32000,
+    max_position_embeddings=8192,
+)
 DOCS, DOC_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS = 6, 512, 32, 16
 QUESTIONS = [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 0, 4], [3, 5, 1, 0], [1, 3]]
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -33,8 +41,14 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 def corpus() -> tuple[list[list[int]], list[list[int]]]:
     g = torch.Generator().manual_seed(2026)
-    docs = [torch.randint(0, MODEL["vocab_size"], (DOC_TOKENS,), generator=g).tolist() for _ in range(DOCS)]
-    qs = [torch.randint(0, MODEL["vocab_size"], (QUESTION_TOKENS,), generator=g).tolist() for _ in QUESTIONS]
+    docs = [
+        torch.randint(0, MODEL["vocab_size"], (DOC_TOKENS,), generator=g).tolist()
+        for _ in range(DOCS)
+    ]
+    qs = [
+        torch.randint(0, MODEL["vocab_size"], (QUESTION_TOKENS,), generator=g).tolist()
+        for _ in QUESTIONS
+    ]
     return docs, qs
 
 
@@ -42,9 +56,19 @@ def engine(target: str | None):
     from tierkv.connector import ConnectorConfig, TierKVConnector
     from tierkv.engine import LLM
 
-    conn = TierKVConnector(ConnectorConfig(cpu_bytes="1GiB", remote=f"grpc://{target}")) if target else None
-    llm = LLM(MODEL, dtype="bfloat16", kv_cache_bytes=512 << 20, enable_prefix_caching=False, kv_connector=conn,
-              max_num_batched_tokens=8192)
+    conn = (
+        TierKVConnector(ConnectorConfig(cpu_bytes="1GiB", remote=f"grpc://{target}"))
+        if target
+        else None
+    )
+    llm = LLM(
+        MODEL,
+        dtype="bfloat16",
+        kv_cache_bytes=512 << 20,
+        enable_prefix_caching=False,
+        kv_connector=conn,
+        max_num_batched_tokens=8192,
+    )
     return llm, conn
 
 
@@ -56,8 +80,13 @@ def run(llm, prompt, ratio: float | None = None):
     inner = llm.runner.run
     llm.runner.run = lambda out: seen.append(inner(out)) or seen[-1]
     try:
-        out = llm.generate([prompt], SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True,
-                                                    blend_ratio=ratio), use_tqdm=False)[0]
+        out = llm.generate(
+            [prompt],
+            SamplingParams(
+                max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True, blend_ratio=ratio
+            ),
+            use_tqdm=False,
+        )[0]
     finally:
         llm.runner.run = inner
     return out, seen[-ANSWER_TOKENS][-1].float()
@@ -90,15 +119,37 @@ def process_b(target: str) -> None:
             elif mode == "prefix only":
                 out, logits = run(llm, flat)
             else:
-                out, logits = run(llm, [Segment(docs[i]) for i in order] + [Segment(q, reusable=False)], 0.15)
+                out, logits = run(
+                    llm, [Segment(docs[i]) for i in order] + [Segment(q, reusable=False)], 0.15
+                )
             m = out.metrics
-            kl = float(torch.nn.functional.kl_div(logits.log_softmax(-1), ref_lp, log_target=True, reduction="sum"))
-            recomputed = m.blend["recomputed"] + m.blend["computed"] if m.blend else len(flat) - m.external_tokens
-            rows.append({"question": qi, "docs": "".join(map(str, order)), "mode": mode, "tokens": len(flat),
-                         "ttft_ms": m.ttft * 1e3, "loaded": m.external_tokens, "recomputed": recomputed,
-                         "kl_vs_cold": kl,
-                         "greedy_agree": sum(a == b for a, b in zip(out.token_ids, ref.token_ids)) / ANSWER_TOKENS,
-                         "from": ",".join(f"{k}:{v}" for k, v in m.connector.get("loaded_tokens", {}).items())})
+            kl = float(
+                torch.nn.functional.kl_div(
+                    logits.log_softmax(-1), ref_lp, log_target=True, reduction="sum"
+                )
+            )
+            recomputed = (
+                m.blend["recomputed"] + m.blend["computed"]
+                if m.blend
+                else len(flat) - m.external_tokens
+            )
+            rows.append(
+                {
+                    "question": qi,
+                    "docs": "".join(map(str, order)),
+                    "mode": mode,
+                    "tokens": len(flat),
+                    "ttft_ms": m.ttft * 1e3,
+                    "loaded": m.external_tokens,
+                    "recomputed": recomputed,
+                    "kl_vs_cold": kl,
+                    "greedy_agree": sum(a == b for a, b in zip(out.token_ids, ref.token_ids))
+                    / ANSWER_TOKENS,
+                    "from": ",".join(
+                        f"{k}:{v}" for k, v in m.connector.get("loaded_tokens", {}).items()
+                    ),
+                }
+            )
     conn.close()
     print(json.dumps(rows))
 
@@ -110,8 +161,12 @@ def free_port() -> int:
 
 
 def child(role: str, target: str) -> str:
-    p = subprocess.run([sys.executable, "-m", "examples.rag_demo", role, target], capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "examples.rag_demo", role, target],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if p.returncode:
         raise RuntimeError(f"process {role} failed:\n{p.stderr[-3000:]}")
     return p.stdout.strip().splitlines()[-1]
@@ -124,8 +179,19 @@ def main() -> None:
     port = free_port()
     target = f"127.0.0.1:{port}"
     log = open(tmp / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "tierkv.cacheserver", "--port", str(port), "--cache-dir",
-                               str(tmp / "cache")], stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierkv.cacheserver",
+            "--port",
+            str(port),
+            "--cache-dir",
+            str(tmp / "cache"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -134,11 +200,15 @@ def main() -> None:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"tierkv-server did not start: {(tmp / 'server.log').read_text()}")
+                    raise RuntimeError(
+                        f"tierkv-server did not start: {(tmp / 'server.log').read_text()}"
+                    )
                 time.sleep(0.1)
         print(f"tierkv-server on {target} (cache in {tmp / 'cache'})")
         a = json.loads(child("ingest", target))
-        print(f"process A: {a['ingested']} documents ingested into the server in {a['seconds']:.1f}s")
+        print(
+            f"process A: {a['ingested']} documents ingested into the server in {a['seconds']:.1f}s"
+        )
         rows = json.loads(child("ask", target))
     finally:
         server.terminate()
@@ -159,8 +229,15 @@ def plot(rows: list[dict]) -> None:
     qs = sorted({r["question"] for r in rows})
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for j, mode in enumerate(modes):
-        ax.bar([q + (j - 1) * 0.27 for q in qs], [next(r["ttft_ms"] for r in rows if r["question"] == q
-                                                       and r["mode"] == mode) for q in qs], 0.27, label=mode)
+        ax.bar(
+            [q + (j - 1) * 0.27 for q in qs],
+            [
+                next(r["ttft_ms"] for r in rows if r["question"] == q and r["mode"] == mode)
+                for q in qs
+            ],
+            0.27,
+            label=mode,
+        )
     ax.set_xticks(qs, [f"docs {next(r['docs'] for r in rows if r['question'] == q)}" for q in qs])
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("RAG across processes: process B's TTFT by how its KV was obtained")

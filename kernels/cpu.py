@@ -8,6 +8,7 @@ them, so it moves the KV three times; the decode kernel reads it once. Where the
 cannot be built (no compiler; one warning) or is turned off (TIERKV_CPU_KERNEL=0), the torch
 code runs instead, with the same results (RoPE, KV write) or within fp32 rounding (attention).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,11 +25,15 @@ from tierkv.kernels.fp8 import FP8, is_fp8
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEADER = SOURCE.with_name("cpu_vec.h")  # included by the .cpp files
-OPS = SOURCE.with_name("cpu_ops.cpp")  # built into the same library: torch.ops.tierkv.rope, .write_kv
+OPS = SOURCE.with_name(
+    "cpu_ops.cpp"
+)  # built into the same library: torch.ops.tierkv.rope, .write_kv
 LAYER = SOURCE.with_name("cpu_layer.cpp")  # and torch.ops.tierkv.rms_norm, .silu_mul
 PREFILL = SOURCE.with_name("cpu_prefill.cpp")  # and torch.ops.tierkv.prefill_attention
 GEMV = SOURCE.with_name("cpu_gemv.cpp")  # and torch.ops.tierkv.gemv_bf16
-CHUNK_KEYS = 512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
+CHUNK_KEYS = (
+    512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
+)
 
 
 def enabled() -> bool:
@@ -40,7 +45,9 @@ def enabled() -> bool:
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+        line = next(
+            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")
+        )
     except (OSError, StopIteration):
         return frozenset()
     return frozenset(line.split(":", 1)[1].split())
@@ -65,10 +72,16 @@ _LOCK = threading.Lock()
 def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
-        build(name="tierkv_cpu", sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL, GEMV)],
-              build_directory=str(_build_dir()),
-              extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
-              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+        build(
+            name="tierkv_cpu",
+            sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL, GEMV)],
+            build_directory=str(_build_dir()),
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the reference still works
         log.warning("tierkv: C++ CPU kernels unavailable (%s); using the torch code", e)
         return False
@@ -91,28 +104,60 @@ def decode_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     """True when the kernel serves this call: CPU tensors, a cache in q's dtype or fp8, the
     kernel's size limits, and a successful build."""
     g = q.shape[1] // k_cache.shape[2]
-    return (q.device.type == "cpu" and enabled() and (k_cache.dtype == q.dtype or is_fp8(k_cache))
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and q.shape[2] % 16 == 0 and q.shape[2] <= 256 and g <= 16 and load())
+    return (
+        q.device.type == "cpu"
+        and enabled()
+        and (k_cache.dtype == q.dtype or is_fp8(k_cache))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and q.shape[2] % 16 == 0
+        and q.shape[2] <= 256
+        and g <= 16
+        and load()
+    )
 
 
 def rope_usable(x: torch.Tensor) -> bool:
     """True when torch.ops.tierkv.rope serves x [N, H, D]: a CPU float tensor, rows contiguous."""
-    return (x.device.type == "cpu" and enabled() and x.dim() == 3 and x.stride(2) == 1
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and load())
+    return (
+        x.device.type == "cpu"
+        and enabled()
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and load()
+    )
 
 
-def write_kv_usable(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def write_kv_usable(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
     """True when torch.ops.tierkv.write_kv serves this write: CPU tensors, the caches in k's
     dtype (fp8 caches quantize: the reference does that), rows contiguous."""
-    return (k.device.type == "cpu" and enabled() and k.dim() == 3 and v.dim() == 3 and k.stride(2) == 1
-            and v.stride(2) == 1 and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and load())
+    return (
+        k.device.type == "cpu"
+        and enabled()
+        and k.dim() == 3
+        and v.dim() == 3
+        and k.stride(2) == 1
+        and v.stride(2) == 1
+        and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and load()
+    )
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor,
-                 seen: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ids: torch.Tensor,
+    seen: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [b, Hq, D] (one query per sequence) over keys [0, seen[i]) of blocks ids[i] -> [b, Hq, D].
 
     Contract (checked by the caller, kernels/ref_attention.py, before any read): ids [b, nblk]
@@ -121,22 +166,39 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     scales [Hkv]."""
     fp8 = is_fp8(k_cache)
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
-    return torch.ops.tierkv.paged_decode(q.contiguous(), kc, vc, ids, seen, scale,
-                                         k_scale if fp8 else None, v_scale if fp8 else None,
-                                         _fp8_table() if fp8 else None, CHUNK_KEYS)
+    return torch.ops.tierkv.paged_decode(
+        q.contiguous(),
+        kc,
+        vc,
+        ids,
+        seen,
+        scale,
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
+        _fp8_table() if fp8 else None,
+        CHUNK_KEYS,
+    )
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when torch.ops.tierkv.prefill_attention serves q [Nq, Hq, D] over k, v [T, Hkv, D]:
     CPU tensors of one dtype, fp32 or bf16, rows contiguous, D a multiple of 64 up to 256."""
-    return (q.device.type == "cpu" and enabled() and q.dim() == k.dim() == v.dim() == 3
-            and q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[2] % 64 == 0 and q.shape[2] <= 256 and q.stride(2) == k.stride(2) == v.stride(2) == 1
-            and load())
+    return (
+        q.device.type == "cpu"
+        and enabled()
+        and q.dim() == k.dim() == v.dim() == 3
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.shape[2] % 64 == 0
+        and q.shape[2] <= 256
+        and q.stride(2) == k.stride(2) == v.stride(2) == 1
+        and load()
+    )
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of q [Nq, Hq, D] over k, v [T, Hkv, D], query i seeing keys [0, min(pos[i]+1, T))
     -> [Nq, Hq, D], fp32 math; a query with no visible key gets zeros. Contract:
     prefill_usable(q, k, v); the kernel checks shapes and that positions are non-negative."""

@@ -1,5 +1,6 @@
 """Where a kernel runs: Triton on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1),
 the torch reference otherwise. Triton is imported only when it will be used."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """FP8 (e4m3) quantization with per-head scales: value = stored.float() * scale."""
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,9 @@ def _bcast(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     scale = scale.to(device=x.device, dtype=torch.float32)
     if scale.dim() == 1 and x.dim() >= 2:
         if scale.numel() != x.shape[-2]:
-            raise ValueError(f"per-head scale has {scale.numel()} entries, tensor has {x.shape[-2]} heads")
+            raise ValueError(
+                f"per-head scale has {scale.numel()} entries, tensor has {x.shape[-2]} heads"
+            )
         return scale.view(-1, 1)
     return scale
 
@@ -37,6 +40,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale, saturated to +-448, as float8_e4m3fn."""
     if scale.dim() == 1 and x.dim() >= 2 and use_triton(x):
         from tierkv.kernels.triton_fp8 import quantize_fp8_triton
+
         return quantize_fp8_triton(x, scale)
     return quantize_fp8_ref(x, scale)
 
@@ -46,18 +50,29 @@ def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / _bcast(scale, x)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """x.float() * scale in `dtype`."""
     if not is_fp8(x):
         raise ValueError(f"dequantize_fp8 expects float8_e4m3fn, got {x.dtype}")
     return (x.float() * _bcast(scale, x)).to(dtype)
 
 
-def convert(x: torch.Tensor, dtype: torch.dtype, src_scale: torch.Tensor | None,
-            dst_scale: torch.Tensor | None) -> torch.Tensor:
+def convert(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    src_scale: torch.Tensor | None,
+    dst_scale: torch.Tensor | None,
+) -> torch.Tensor:
     """Convert between any two KV dtypes; fp8 sides use their scale. Equal fp8 scales copy bytes."""
-    if is_fp8(x) and dtype == FP8 and src_scale is not None and dst_scale is not None \
-            and torch.equal(src_scale.float().cpu(), dst_scale.float().cpu()):
+    if (
+        is_fp8(x)
+        and dtype == FP8
+        and src_scale is not None
+        and dst_scale is not None
+        and torch.equal(src_scale.float().cpu(), dst_scale.float().cpu())
+    ):
         return x
     v = dequantize_fp8(x, src_scale) if is_fp8(x) else x
     return quantize_fp8_ref(v, dst_scale) if dtype == FP8 else v.to(dtype)

@@ -5,6 +5,7 @@ runs 4-7 ops over the whole batch; elsewhere, or with the library off, the torch
 below run. The references are
 Hugging Face's expressions, which the C++ ops follow within fp32 rounding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,14 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def _usable(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and cpu.enabled() and x.dim() == 2 and x.stride(1) == 1
-            and x.dtype in FLOATS and cpu.load())
+    return (
+        x.device.type == "cpu"
+        and cpu.enabled()
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.dtype in FLOATS
+        and cpu.load()
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,7 +60,10 @@ def native_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     Without them torch's bf16 GEMM ran at ~16 GFLOP/s against ~100 for fp32 (AMD EPYC, AVX2)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return True
-    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}[dtype]
+    want = {
+        torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+        torch.float16: ("avx512_fp16", "amx_fp16"),
+    }[dtype]
     return any(f in cpu.cpu_flags() for f in want)
 
 
@@ -67,12 +77,22 @@ GEMV_ROWS = 8
 def gemv_usable(x: torch.Tensor, narrow: torch.Tensor) -> bool:
     """True when torch.ops.tierkv.gemv_bf16 serves x [M <= GEMV_ROWS, K] @ narrow.T: CPU, bf16
     weights contiguous, K a multiple of 16 (any ISA's vector width)."""
-    return (x.shape[0] <= GEMV_ROWS and narrow.dtype == torch.bfloat16 and narrow.is_contiguous()
-            and narrow.dim() == 2 and narrow.shape[1] % 16 == 0 and _usable(x))
+    return (
+        x.shape[0] <= GEMV_ROWS
+        and narrow.dtype == torch.bfloat16
+        and narrow.is_contiguous()
+        and narrow.dim() == 2
+        and narrow.shape[1] % 16 == 0
+        and _usable(x)
+    )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           narrow: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    narrow: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x @ weight.T (+ bias). A weight kept wider than x (ModelRunner widens bf16 weights to fp32
     where native_matmul is False) computes in its dtype and rounds the result to x's dtype: the
     math of a bf16 GEMM with fp32 accumulation, in another summation order. `narrow`, the same

@@ -4,6 +4,7 @@ Decode sequences (one query each) run as one padded batch over whole blocks; a s
 with several queries (prefill, chunked prefill, CacheBlend's sparse recompute) runs as its
 own SDPA call, so a long prefill never pads the decodes beside it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -43,19 +44,25 @@ class _Workspace(threading.local):
 _WS = _Workspace()
 
 
-def head_rows(block_tables: torch.Tensor, length: int, num_blocks: int, block_size: int,
-              heads: int) -> torch.Tensor:
+def head_rows(
+    block_tables: torch.Tensor, length: int, num_blocks: int, block_size: int, heads: int
+) -> torch.Tensor:
     """Row ids into a cache viewed as [num_blocks * block_size * heads, D] that lay keys
     [0, length) of each block table out as [B, heads, length] (SDPA's layout)."""
     nblk = -(-length // block_size)
     bt = block_tables[:, :nblk].long().clamp(0, num_blocks - 1)  # padding entries may hold anything
     dev = bt.device
-    rows = (bt[:, None, :, None] * (block_size * heads) + torch.arange(heads, device=dev)[None, :, None, None]
-            + torch.arange(0, block_size * heads, heads, device=dev))
+    rows = (
+        bt[:, None, :, None] * (block_size * heads)
+        + torch.arange(heads, device=dev)[None, :, None, None]
+        + torch.arange(0, block_size * heads, heads, device=dev)
+    )
     return rows.flatten(2)[:, :, :length].reshape(-1)
 
 
-def gather_heads(cache: torch.Tensor, rows: torch.Tensor, batch: int, length: int, slot: int) -> torch.Tensor:
+def gather_heads(
+    cache: torch.Tensor, rows: torch.Tensor, batch: int, length: int, slot: int
+) -> torch.Tensor:
     """cache rows `rows` as [batch, H, length, D], in one index_select into workspace `slot`
     (overwritten by the next call with that slot)."""
     d = cache.shape[3]
@@ -65,9 +72,15 @@ def gather_heads(cache: torch.Tensor, rows: torch.Tensor, batch: int, length: in
     return out.view(batch, cache.shape[2], length, d)
 
 
-def _dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, bt: torch.Tensor, length: int,
-              k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bt: torch.Tensor,
+    length: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = head_rows(bt, length, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2])
     out = []
     for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
@@ -93,6 +106,7 @@ def gather_blocks(cache: torch.Tensor, ids: torch.Tensor, batch: int, slot: int)
 class _Plan:
     """What the reference derives from the metadata alone (checked once): reused while equal
     metadata comes back, as it does for every layer of an engine step (one per call group)."""
+
     key: list  # copies of the metadata it was built from, then (Nq, cache shape, device)
     pos: torch.Tensor  # int64 [Nq]
     dec_rows: torch.Tensor | None  # query row of each decode sequence; None: no decodes
@@ -104,14 +118,22 @@ class _Plan:
     prefills: list[tuple[int, int, int, int, list[tuple[int, int, int]]]]
 
 
-def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-          cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor) -> _Plan:
+def _plan(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    q_positions: torch.Tensor,
+) -> _Plan:
     ts = (block_tables, seq_lens, cu_seqlens_q, q_positions)
     geo = (q.shape[0], tuple(k_cache.shape), q.device)
     plans = _WS.plans
     for i, old in enumerate(plans):
         # By value (a few hundred ints): inference tensors keep no version counter to trust.
-        if old.key[4] == geo and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ts, old.key)):
+        if old.key[4] == geo and all(
+            x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ts, old.key)
+        ):
             plans.insert(0, plans.pop(i))
             return old
     key = [t.clone() for t in ts] + [geo]
@@ -127,8 +149,10 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, se
         seen = torch.minimum(lens[dec], pos[rows] + 1)  # key j is seen iff j < seq_len and j <= pos
         visible = (torch.arange(nblk * bs, device=q.device) < seen[:, None])[:, None, None, :]
     # A sequence with no keys has nothing to attend to: its rows stay zero.
-    pre = [(b, int(cu[b]), int(cu[b + 1]), int(lens[b]), _chunks(pos[cu[b]:cu[b + 1]], int(lens[b])))
-           for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist()]
+    pre = [
+        (b, int(cu[b]), int(cu[b + 1]), int(lens[b]), _chunks(pos[cu[b] : cu[b + 1]], int(lens[b])))
+        for b in torch.nonzero((counts > 1) & (lens > 0)).flatten().tolist()
+    ]
     dec_all = rows is not None and rows.numel() == q.shape[0]  # one row each: rows are 0..Nq-1
     plans.insert(0, _Plan(key, pos, rows, dec_all, ids, visible, seen, pre))
     del plans[PLANS:]
@@ -146,8 +170,16 @@ def _chunks(pos: torch.Tensor, length: int) -> list[tuple[int, int, int]]:
     return [(i * CHUNK, min(n, (i + 1) * CHUNK), t) for i, t in enumerate(top.tolist())]
 
 
-def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, cpu_kernel: bool) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor,
+    plan: _Plan,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    cpu_kernel: bool,
+) -> torch.Tensor:
     """One query per sequence: q [b, Hq, D] over the plan's decode blocks -> [b, Hq, D].
 
     Keys stay in the gathered token-major layout [b, T, Hkv, D] and reach SDPA as a strided
@@ -156,8 +188,9 @@ def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.
     slow GEMM on CPUs without native bf16."""
     b, hq, d = q.shape
     if cpu_kernel and cpu.decode_usable(q, k_cache, v_cache):
-        return cpu.paged_decode(q, k_cache, v_cache, plan.dec_ids.view(b, -1), plan.dec_seen, scale,
-                                          k_scale, v_scale)
+        return cpu.paged_decode(
+            q, k_cache, v_cache, plan.dec_ids.view(b, -1), plan.dec_seen, scale, k_scale, v_scale
+        )
     hkv = k_cache.shape[2]
     kv = []
     for i, (cache, sc) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
@@ -165,13 +198,20 @@ def _decode(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.
         if is_fp8(cache):
             x = x.float() * sc.view(1, 1, -1, 1)
         kv.append((x if x.dtype == q.dtype else x.to(q.dtype)).transpose(1, 2))
-    o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), kv[0], kv[1],
-                                       attn_mask=plan.dec_visible, scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.view(b, hkv, hq // hkv, d), kv[0], kv[1], attn_mask=plan.dec_visible, scale=scale
+    )
     return o.reshape(b, hq, d)
 
 
-def _prefill(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             chunks: list[tuple[int, int, int]], scale: float) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor,
+    pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[tuple[int, int, int]],
+    scale: float,
+) -> torch.Tensor:
     """Several queries of one sequence: q [Lq, Hq, D], k/v [1, Hkv, T, D] -> [Lq, Hq, D]."""
     qt = q.transpose(0, 1)[None]
     if not chunks:  # a whole prompt from position 0: SDPA's own causal mask skips masked tiles
@@ -180,21 +220,31 @@ def _prefill(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     out = torch.empty_like(q)
     for s, e, t in chunks:  # t >= 1: keys and positions are checked non-negative
         mask = torch.arange(t, device=q.device)[None, :] <= pos[s:e, None]
-        o = F.scaled_dot_product_attention(qt[:, :, s:e], k[:, :, :t], v[:, :, :t], attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qt[:, :, s:e], k[:, :, :t], v[:, :, :t], attn_mask=mask, scale=scale, enable_gqa=True
+        )
         out[s:e] = o[0].transpose(0, 1)
     return out
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor, scale: float,
-                        k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None, cpu_kernel: bool = False) -> torch.Tensor:
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    cpu_kernel: bool = False,
+) -> torch.Tensor:
     """cpu_kernel: decodes and prefills go through the C++ kernels (kernels/cpu.py) where they
     are usable (the engine's CPU path); False keeps everything in torch (the reference proper)."""
-    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
-                         k_scale, v_scale)
+    check_attention_args(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions, k_scale, v_scale
+    )
     if q.shape[0] == 0:
         check_attention_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
         return torch.zeros_like(q)
@@ -203,15 +253,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return _decode(q, plan, k_cache, v_cache, scale, k_scale, v_scale, cpu_kernel)
     out = torch.zeros_like(q)
     if plan.dec_rows is not None:
-        out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale,
-                                      cpu_kernel)
-    kernel = cpu_kernel and cpu.prefill_usable(q, k_cache[0], v_cache[0])  # also: the cache in q's dtype
+        out[plan.dec_rows] = _decode(
+            q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale, cpu_kernel
+        )
+    kernel = cpu_kernel and cpu.prefill_usable(
+        q, k_cache[0], v_cache[0]
+    )  # also: the cache in q's dtype
     for b, s, e, t, chunks in plan.prefills:
         if kernel:  # whole blocks gathered token-major, then the C++ kernel
-            ids = block_tables[b, :-(-t // k_cache.shape[1])].long()
+            ids = block_tables[b, : -(-t // k_cache.shape[1])].long()
             k, v = (gather_blocks(c, ids, 1, i)[0, :t] for i, c in enumerate((k_cache, v_cache)))
             out[s:e] = cpu.prefill_attention(q[s:e], k, v, plan.pos[s:e], scale)
             continue
-        k, v = _dense_kv(k_cache, v_cache, block_tables[b:b + 1], t, k_scale, v_scale, q.dtype)
+        k, v = _dense_kv(k_cache, v_cache, block_tables[b : b + 1], t, k_scale, v_scale, q.dtype)
         out[s:e] = _prefill(q[s:e], plan.pos[s:e], k, v, chunks, scale)
     return out

@@ -1,5 +1,6 @@
 """Rotary position embeddings with Hugging Face Llama semantics (rotate_half, cos/sin =
 cat(freqs, freqs)), Llama-3 frequency scaling, and re-rotation of cached K by a delta."""
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,9 @@ from tierkv.kernels.dispatch import use_triton
 def llama_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
     """inv_freq [head_dim/2] float32, computed exactly as transformers' rope init functions."""
     inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (rope_scaling or {}).get("rope_type", rope_scaling.get("type") if rope_scaling else "default")
+    kind = (rope_scaling or {}).get(
+        "rope_type", rope_scaling.get("type") if rope_scaling else "default"
+    )
     if kind in (None, "default"):
         return inv
     if kind != "llama3":
@@ -53,6 +56,7 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 @dataclass(slots=True)
 class RotaryEmbedding:
     """Llama RoPE. cos/sin are tabulated up to max_position (grown on demand) in fp32."""
+
     head_dim: int
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -84,15 +88,26 @@ class RotaryEmbedding:
         idx = positions.long()
         return self._cos[idx], self._sin[idx]
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [N, Hq, D] and k [N, Hkv, D] at positions [N]; returns new tensors."""
-        if q.dim() != 3 or k.dim() != 3 or q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim \
-                or q.shape[0] != k.shape[0] or positions.shape != (q.shape[0],):
-            raise ValueError(f"q [N, Hq, {self.head_dim}], k [N, Hkv, {self.head_dim}], positions [N] expected; "
-                             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}")
+        if (
+            q.dim() != 3
+            or k.dim() != 3
+            or q.shape[-1] != self.head_dim
+            or k.shape[-1] != self.head_dim
+            or q.shape[0] != k.shape[0]
+            or positions.shape != (q.shape[0],)
+        ):
+            raise ValueError(
+                f"q [N, Hq, {self.head_dim}], k [N, Hkv, {self.head_dim}], positions [N] expected; "
+                f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}"
+            )
         cos, sin = self.cos_sin(positions)
         if use_triton(q):
             from tierkv.kernels.triton_rope import rope_triton
+
             return rope_triton(q, cos, sin), rope_triton(k, cos, sin)
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
@@ -111,5 +126,6 @@ def rerotate_k(k: torch.Tensor, delta: int | torch.Tensor, rope: RotaryEmbedding
     angle = d.float()[:, None] * rope.inv_freq.to(k.device)
     if use_triton(k):
         from tierkv.kernels.triton_rope import rope_triton
+
         return rope_triton(k, angle.cos(), angle.sin())
     return rotate(k, angle.cos(), angle.sin())

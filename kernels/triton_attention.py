@@ -7,6 +7,7 @@ that sequence's keys tile by tile through the block table, and keeps an fp32 onl
 softmax. Query blocks map to sequences by a binary search over cu_seqlens_q, so the grid
 needs no host-side sequence lengths.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
 from tierkv.kernels.fp8 import is_fp8
 from tierkv.kernels.triton_common import cdiv, rmax, rsum
-from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
 
 
 @triton.jit
@@ -36,12 +37,44 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr, ks_ptr, vs_ptr,
-                 part_acc, part_ml, scale, num_seqs, num_heads,
-                 s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
-                 G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
-                 D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                 FP8: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    bt_ptr,
+    lens_ptr,
+    cu_ptr,
+    pos_ptr,
+    ks_ptr,
+    vs_ptr,
+    part_acc,
+    part_ml,
+    scale,
+    num_seqs,
+    num_heads,
+    s_qt,
+    s_qh,
+    s_ot,
+    s_oh,
+    s_kb,
+    s_ks,
+    s_kh,
+    s_vb,
+    s_vs,
+    s_vh,
+    s_bt,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -60,8 +93,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr
     head = kvh * G + g
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_D
-    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)  # a padding row sees no key
     kv_end = tl.minimum(tl.load(lens_ptr + seq), rmax(pos, 0) + 1)
     tiles = cdiv(kv_end, TILE_N)
@@ -84,10 +120,16 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr
         blk = tl.load(bt_ptr + seq * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = offs_n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if FP8:
             k = (k.to(tl.float32) * k_sc).to(q.dtype)
             v = (v.to(tl.float32) * v_sc).to(q.dtype)
@@ -113,8 +155,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr
         m_i = m_new
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     else:
         # Partial results of this split: unnormalized acc, and (m, l) per row.
         row = (tok * num_heads + head) * NUM_SPLITS + split
@@ -124,8 +169,17 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr
 
 
 @triton.jit
-def _combine_kernel(part_acc, part_ml, out_ptr, s_ot, s_oh, num_heads, HEAD_D: tl.constexpr,
-                    D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _combine_kernel(
+    part_acc,
+    part_ml,
+    out_ptr,
+    s_ot,
+    s_oh,
+    num_heads,
+    HEAD_D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
     tok = tl.program_id(0)
     head = tl.program_id(1)
     row = (tok * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -138,8 +192,11 @@ def _combine_kernel(part_acc, part_ml, out_ptr, s_ot, s_oh, num_heads, HEAD_D: t
     offs_d = tl.arange(0, D_PAD)
     acc = tl.load(part_acc + row[:, None] * D_PAD + offs_d[None, :])
     o = rsum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + tok * s_ot + head * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_D)
+    tl.store(
+        out_ptr + tok * s_ot + head * s_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_D,
+    )
 
 
 def _sm_count(device: torch.device) -> int:
@@ -151,8 +208,13 @@ def _sm_count(device: torch.device) -> int:
 @dataclass(slots=True)
 class AttentionLaunch:
     """Tile shapes and split-K policy of the Triton attention kernel (GPU tuning knobs)."""
-    decode_block_m: int = 16  # query rows per program when a token's GQA group fits (tl.dot needs >= 16)
-    prefill_block_m: int = 128  # query rows per program for prefill on a GPU (64 under the interpreter)
+
+    decode_block_m: int = (
+        16  # query rows per program when a token's GQA group fits (tl.dot needs >= 16)
+    )
+    prefill_block_m: int = (
+        128  # query rows per program for prefill on a GPU (64 under the interpreter)
+    )
     tile_n: int = 64  # keys per inner step
     decode_warps: int = 4
     prefill_warps: int = 8
@@ -164,37 +226,58 @@ class AttentionLaunch:
 LAUNCH = AttentionLaunch()
 
 
-def choose_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
-                  sm_count: int, cfg: AttentionLaunch = LAUNCH) -> int:
+def choose_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_count: int,
+    cfg: AttentionLaunch = LAUNCH,
+) -> int:
     """Split-K only pays when the grid cannot fill the device: decode-sized queries, fewer
     (sequence, KV head) programs than programs_per_sm per SM, and enough key tiles per split."""
     if max_seqlen_q > 1:
         return 1
     programs = num_seqs * num_kv_heads
     splits = 1
-    while splits < cfg.max_splits and programs * splits < cfg.programs_per_sm * sm_count and \
-            max_seqlen_k >= splits * 2 * cfg.min_tiles_per_split * cfg.tile_n:
+    while (
+        splits < cfg.max_splits
+        and programs * splits < cfg.programs_per_sm * sm_count
+        and max_seqlen_k >= splits * 2 * cfg.min_tiles_per_split * cfg.tile_n
+    ):
         splits *= 2
     return splits
 
 
-def launch_config(max_seqlen_q: int, g_pad: int, cuda: bool,
-                  cfg: AttentionLaunch = LAUNCH) -> tuple[int, int, int]:
+def launch_config(
+    max_seqlen_q: int, g_pad: int, cuda: bool, cfg: AttentionLaunch = LAUNCH
+) -> tuple[int, int, int]:
     """(BLOCK_M query rows, TILE_N keys, num_warps) for this batch."""
     if max_seqlen_q * g_pad <= cfg.decode_block_m:
         return cfg.decode_block_m, cfg.tile_n, cfg.decode_warps
     return (cfg.prefill_block_m if cuda else 64), cfg.tile_n, cfg.prefill_warps
 
 
-def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, q_positions: torch.Tensor, scale: float,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           *, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Same contract as paged_attention_ref. num_splits forces the split-K mode (a power of 2)."""
-    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions,
-                         k_scale, v_scale)
+    check_attention_args(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions, k_scale, v_scale
+    )
     check_attention_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
     nq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -226,15 +309,55 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ks = k_scale if fp8 else out
     vs = v_scale if fp8 else out
     grid = (nq // block_q + b, hkv, num_splits)
-    _attn_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_positions,
-                       ks, vs, part_acc, part_ml, float(scale), b, hq,
-                       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-                       G=g, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_D=d, D_PAD=d_pad, BLOCK_SIZE=bs,
-                       TILE_N=tile_n, FP8=fp8, IEEE=q.dtype == torch.float32, NUM_SPLITS=num_splits,
-                       num_warps=num_warps)
+    _attn_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        q_positions,
+        ks,
+        vs,
+        part_acc,
+        part_ml,
+        float(scale),
+        b,
+        hq,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        G=g,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        HEAD_D=d,
+        D_PAD=d_pad,
+        BLOCK_SIZE=bs,
+        TILE_N=tile_n,
+        FP8=fp8,
+        IEEE=q.dtype == torch.float32,
+        NUM_SPLITS=num_splits,
+        num_warps=num_warps,
+    )
     if num_splits > 1:
-        _combine_kernel[(nq, hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), hq,
-                                  HEAD_D=d, D_PAD=d_pad, NUM_SPLITS=num_splits)
+        _combine_kernel[(nq, hq)](
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            hq,
+            HEAD_D=d,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_splits,
+        )
     return out

@@ -4,6 +4,7 @@ these are decorated with our kernels, so TRITON_INTERPRET=1 set before importing
 works even when something (transformers) imported triton earlier. The reductions pass
 the standard combine functions, which the interpreter maps to numpy (anything else it
 runs element by element) and the compiler treats exactly as tl.max / tl.sum do."""
+
 from __future__ import annotations
 
 import triton

@@ -1,4 +1,5 @@
 """Triton fp8 (e4m3) quantization of [..., H, D] with per-head scales."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,16 @@ from tierkv.kernels.fp8 import FP8
 
 
 @triton.jit
-def _quant_kernel(x_ptr, sc_ptr, out_ptr, rows, HD: tl.constexpr, HEAD_D: tl.constexpr,
-                  HD_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+def _quant_kernel(
+    x_ptr,
+    sc_ptr,
+    out_ptr,
+    rows,
+    HD: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    HD_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col = tl.arange(0, HD_PAD)
     mask = (r < rows)[:, None] & (col < HD)[None, :]
@@ -35,6 +44,7 @@ def quantize_fp8_triton(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return out.to(FP8)
     hd_pad = triton.next_power_of_2(h * d)
     block_r = max(1, min(64, 4096 // hd_pad))
-    _quant_kernel[(triton.cdiv(rows, block_r),)](x, scale.float().contiguous(), out, rows, HD=h * d,
-                                                 HEAD_D=d, HD_PAD=hd_pad, BLOCK_R=block_r)
+    _quant_kernel[(triton.cdiv(rows, block_r),)](
+        x, scale.float().contiguous(), out, rows, HD=h * d, HEAD_D=d, HD_PAD=hd_pad, BLOCK_R=block_r
+    )
     return out.to(FP8)

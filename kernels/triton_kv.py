@@ -5,21 +5,36 @@ Each token row is its Hkv*D elements, contiguous in the cache and in the segment
 conversion goes through fp32: dequantize with the source scale, quantize with the
 destination scale (e4m3 saturates at +-448).
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from tierkv.kernels.fp8 import FP8, FP8_MAX, is_fp8
 from tierkv.kernels.dispatch import interpret
+from tierkv.kernels.fp8 import FP8, FP8_MAX, is_fp8
+from tierkv.kernels.ref_kv import (
+    check_cache_pair,
+    check_segment,
+    check_write_args,
+    put_rows,
+    token_slots,
+)
 from tierkv.kernels.triton_common import rmax
-from tierkv.kernels.ref_kv import check_cache_pair, check_segment, check_write_args, put_rows, token_slots
 
 
 @triton.jit
-def _convert(x, src_sc_ptr, dst_sc_ptr, head, col_ok, SRC_FP8: tl.constexpr, DST_FP8: tl.constexpr,
-             dst_ty: tl.constexpr):
+def _convert(
+    x,
+    src_sc_ptr,
+    dst_sc_ptr,
+    head,
+    col_ok,
+    SRC_FP8: tl.constexpr,
+    DST_FP8: tl.constexpr,
+    dst_ty: tl.constexpr,
+):
     x = x.to(tl.float32)
     if SRC_FP8:
         x = x * tl.load(src_sc_ptr + head, mask=col_ok, other=1.0)
@@ -30,9 +45,25 @@ def _convert(x, src_sc_ptr, dst_sc_ptr, head, col_ok, SRC_FP8: tl.constexpr, DST
 
 
 @triton.jit
-def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, stage_ptr, s_k, s_v, s_kc, s_vc,
-                  HD: tl.constexpr, HD_PAD: tl.constexpr, HEAD_D: tl.constexpr, FP8_CACHE: tl.constexpr,
-                  STAGE: tl.constexpr):
+def _write_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    ks_ptr,
+    vs_ptr,
+    stage_ptr,
+    s_k,
+    s_v,
+    s_kc,
+    s_vc,
+    HD: tl.constexpr,
+    HD_PAD: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    STAGE: tl.constexpr,
+):
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot < 0:
@@ -55,10 +86,30 @@ def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, stage_
 
 
 @triton.jit
-def _move_kernel(cache_ptr, seg_ptr, bids_ptr, src_sc, dst_sc, amax_ptr, stage_ptr, start, length, s_slot, s_tok,
-                 HD: tl.constexpr, HD_PAD: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_T: tl.constexpr, TO_SEG: tl.constexpr, SRC_FP8: tl.constexpr,
-                 DST_FP8: tl.constexpr, RAW: tl.constexpr, AMAX_ONLY: tl.constexpr, STAGE: tl.constexpr):
+def _move_kernel(
+    cache_ptr,
+    seg_ptr,
+    bids_ptr,
+    src_sc,
+    dst_sc,
+    amax_ptr,
+    stage_ptr,
+    start,
+    length,
+    s_slot,
+    s_tok,
+    HD: tl.constexpr,
+    HD_PAD: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    TO_SEG: tl.constexpr,
+    SRC_FP8: tl.constexpr,
+    DST_FP8: tl.constexpr,
+    RAW: tl.constexpr,
+    AMAX_ONLY: tl.constexpr,
+    STAGE: tl.constexpr,
+):
     # TO_SEG: cache -> segment (gather); else segment -> cache (scatter).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < length
@@ -85,7 +136,9 @@ def _move_kernel(cache_ptr, seg_ptr, bids_ptr, src_sc, dst_sc, amax_ptr, stage_p
         elif STAGE:
             y = _convert(x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, tl.float32)
         else:
-            y = _convert(x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, dst.dtype.element_ty)
+            y = _convert(
+                x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, dst.dtype.element_ty
+            )
         if STAGE:
             tl.store(stage_ptr + t.to(tl.int64)[:, None] * HD + col[None, :], y, mask=mask)
         elif TO_SEG:
@@ -110,9 +163,15 @@ def _hd_pad(k_cache: torch.Tensor) -> tuple[int, int, int]:
     return h * d, triton.next_power_of_2(h * d), d
 
 
-def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> None:
+def write_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     check_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k.shape[0] == 0:
         return
@@ -122,9 +181,25 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     ks = k_scale.float().contiguous() if fp8 else k
     vs = v_scale.float().contiguous() if fp8 else v
     stage = _stage(fp8, 2 * k.shape[0] * hd, k.device)
-    _write_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, ks, vs, k if stage is None else stage,
-                                 k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1), HD=hd,
-                                 HD_PAD=hd_pad, HEAD_D=d, FP8_CACHE=fp8, STAGE=stage is not None)
+    _write_kernel[(k.shape[0],)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        ks,
+        vs,
+        k if stage is None else stage,
+        k.stride(0),
+        v.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(1),
+        HD=hd,
+        HD_PAD=hd_pad,
+        HEAD_D=d,
+        FP8_CACHE=fp8,
+        STAGE=stage is not None,
+    )
     if stage is not None:
         keep = slot_mapping >= 0
         rows = stage.view(-1, 2, *k.shape[1:])[keep].to(FP8)
@@ -132,9 +207,17 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         put_rows(v_cache, slot_mapping[keep].long(), rows[:, 1])
 
 
-def _move(cache: torch.Tensor, seg: torch.Tensor, block_ids: torch.Tensor, start: int, length: int,
-          src_sc: torch.Tensor | None, dst_sc: torch.Tensor | None, to_seg: bool,
-          amax: torch.Tensor | None = None) -> None:
+def _move(
+    cache: torch.Tensor,
+    seg: torch.Tensor,
+    block_ids: torch.Tensor,
+    start: int,
+    length: int,
+    src_sc: torch.Tensor | None,
+    dst_sc: torch.Tensor | None,
+    to_seg: bool,
+    amax: torch.Tensor | None = None,
+) -> None:
     hd, hd_pad, d = _hd_pad(cache)
     block_t = max(1, min(64, 4096 // hd_pad))
     src, dst = (cache, seg) if to_seg else (seg, cache)
@@ -144,11 +227,29 @@ def _move(cache: torch.Tensor, seg: torch.Tensor, block_ids: torch.Tensor, start
     dummy = amax if amax is not None else seg
     stage = _stage(dst_fp8 and amax is None, length * hd, cache.device)
     _move_kernel[(triton.cdiv(length, block_t),)](
-        cache, seg, block_ids, src_sc if src_fp8 else dummy, dst_sc if dst_fp8 else dummy, dummy,
-        dummy if stage is None else stage, start, length, cache.stride(1), seg.stride(0), HD=hd, HD_PAD=hd_pad, HEAD_D=d,
-        BLOCK_SIZE=cache.shape[1], BLOCK_T=block_t, TO_SEG=to_seg, SRC_FP8=src_fp8, DST_FP8=dst_fp8,
-        RAW=src.dtype == dst.dtype and not (src_fp8 or dst_fp8), AMAX_ONLY=amax is not None,
-        STAGE=stage is not None)
+        cache,
+        seg,
+        block_ids,
+        src_sc if src_fp8 else dummy,
+        dst_sc if dst_fp8 else dummy,
+        dummy,
+        dummy if stage is None else stage,
+        start,
+        length,
+        cache.stride(1),
+        seg.stride(0),
+        HD=hd,
+        HD_PAD=hd_pad,
+        HEAD_D=d,
+        BLOCK_SIZE=cache.shape[1],
+        BLOCK_T=block_t,
+        TO_SEG=to_seg,
+        SRC_FP8=src_fp8,
+        DST_FP8=dst_fp8,
+        RAW=src.dtype == dst.dtype and not (src_fp8 or dst_fp8),
+        AMAX_ONLY=amax is not None,
+        STAGE=stage is not None,
+    )
     if stage is None:
         return
     rows = stage.view(length, *cache.shape[2:]).to(FP8)
@@ -158,9 +259,17 @@ def _move(cache: torch.Tensor, seg: torch.Tensor, block_ids: torch.Tensor, start
         put_rows(cache, token_slots(block_ids, start, length, cache.shape[1], cache.shape[0]), rows)
 
 
-def gather_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, start: int,
-                     length: int, out: torch.Tensor, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> None:
+def gather_kv_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    start: int,
+    length: int,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+) -> None:
     check_cache_pair(k_cache, v_cache, k_scale, v_scale)
     check_segment(out, k_cache, length, out_scales)
     token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])  # range checks
@@ -182,9 +291,16 @@ def gather_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: to
         _move(cache, out[i], block_ids, start, length, src_sc, dst_sc, True)
 
 
-def scatter_kv_triton(src: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_ids: torch.Tensor, start: int, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, src_scales: torch.Tensor | None = None) -> None:
+def scatter_kv_triton(
+    src: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    start: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    src_scales: torch.Tensor | None = None,
+) -> None:
     check_cache_pair(k_cache, v_cache, k_scale, v_scale)
     length = src.shape[1] if src.dim() == 4 else -1
     check_segment(src, k_cache, length, src_scales)

@@ -1,6 +1,7 @@
 """Triton rotary kernel: x [N, H, D] rotated by per-token cos/sin [N, D/2] (fp32), with
 Hugging Face Llama's rotate_half layout. RoPE and re-rotation of cached K both use it
 (re-rotation passes cos/sin of delta * inv_freq)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, s_xn, s_xh, s_on, s_oh, num_heads,
-                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, H_PAD: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    s_xn,
+    s_xh,
+    s_on,
+    s_oh,
+    num_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    H_PAD: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H_PAD)
     j = tl.arange(0, HALF_PAD)
@@ -38,6 +51,18 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         return out
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
-    _rope_kernel[(n,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), h,
-                       HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), H_PAD=triton.next_power_of_2(h))
+    _rope_kernel[(n,)](
+        x,
+        cos,
+        sin,
+        out,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        h,
+        HALF=d // 2,
+        HALF_PAD=triton.next_power_of_2(d // 2),
+        H_PAD=triton.next_power_of_2(h),
+    )
     return out

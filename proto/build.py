@@ -27,8 +27,13 @@ def generate(out_dir: Path) -> list[Path]:
         tree = Path(tmp) / "tierkv" / "proto"
         tree.mkdir(parents=True)
         shutil.copyfile(SOURCE, tree / SOURCE.name)
-        args = ["protoc", f"-I{tmp}", f"--python_out={tmp}", f"--grpc_python_out={tmp}",
-                str(tree / SOURCE.name)]
+        args = [
+            "protoc",
+            f"-I{tmp}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            str(tree / SOURCE.name),
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {SOURCE}")
         for name in OUTPUTS:

@@ -1,4 +1,5 @@
 """The tier interface every storage tier implements, its stats, leases, and size parsing."""
+
 from __future__ import annotations
 
 import abc
@@ -6,8 +7,9 @@ import dataclasses
 import re
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tierkv.storage_backends.segment import KVSegment, SegmentHeader
@@ -20,8 +22,10 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
 def check_namespace(ns: str) -> str:
     """A namespace is 1-64 of [A-Za-z0-9_.-], not starting with '.' or '-' (it names files and keys)."""
     if not isinstance(ns, str) or not _NS.fullmatch(ns):
-        raise ValueError(f"bad namespace {ns!r}: use 1-64 characters of [A-Za-z0-9_.-], "
-                         "starting with a letter, digit or '_'")
+        raise ValueError(
+            f"bad namespace {ns!r}: use 1-64 characters of [A-Za-z0-9_.-], "
+            "starting with a letter, digit or '_'"
+        )
     return ns
 
 
@@ -61,6 +65,7 @@ class LatencySummary:
 @dataclass(slots=True)
 class Latency:
     """Recent latencies (a bounded window, so memory stays fixed) and a running count."""
+
     window: deque = field(default_factory=lambda: deque(maxlen=1024))
     count: int = 0
 
@@ -72,8 +77,13 @@ class Latency:
         if not self.window:
             return LatencySummary()
         xs = sorted(self.window)
-        return LatencySummary(self.count, sum(xs) / len(xs), xs[len(xs) // 2],
-                              xs[min(len(xs) - 1, int(len(xs) * 0.99))], xs[-1])
+        return LatencySummary(
+            self.count,
+            sum(xs) / len(xs),
+            xs[len(xs) // 2],
+            xs[min(len(xs) - 1, int(len(xs) * 0.99))],
+            xs[-1],
+        )
 
 
 @dataclass(slots=True)
@@ -98,7 +108,8 @@ class TierStats:
 @dataclass(slots=True)
 class LayerChunk:
     """One layer of a streamed segment: `data` is its encoded bytes (check with decode_layer)."""
-    header: "SegmentHeader"
+
+    header: SegmentHeader
     layer: int
     data: memoryview
 
@@ -106,7 +117,8 @@ class LayerChunk:
 @dataclass(slots=True)
 class Lease:
     """Holds (ns, key) against eviction until released or until `expires` (monotonic seconds)."""
-    leases: "Leases"
+
+    leases: Leases
     ident: tuple[str, bytes]
     expires: float
     released: bool = False
@@ -116,13 +128,13 @@ class Lease:
             self.released = True
             self.leases.drop(self)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
 
-    async def __aenter__(self) -> "Lease":
+    async def __aenter__(self) -> Lease:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -132,6 +144,7 @@ class Lease:
 @dataclass(slots=True)
 class Leases:
     """The leases of one tier. A lease ends by itself after its TTL, so a lost one cannot leak."""
+
     active: dict[tuple[str, bytes], list[Lease]] = field(default_factory=dict)
 
     def take(self, ns: str, key: bytes, ttl: float) -> Lease:
@@ -183,7 +196,7 @@ class Tier(abc.ABC):
     async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]: ...
 
     @abc.abstractmethod
-    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> "KVSegment | None":
+    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
         """The segment, or None on a miss. `out` (writable buffer or CPU tensor of at least the
         raw payload size) receives the payload, and the returned segment views it."""
 
@@ -193,7 +206,7 @@ class Tier(abc.ABC):
         advances. A stream that ends before header.num_layers layers is a miss (a fault midway)."""
 
     @abc.abstractmethod
-    async def put(self, key: bytes, segment: "KVSegment", ns: str = DEFAULT_NAMESPACE) -> bool:
+    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
         """Store a copy; True when stored. May evict unleased entries (least recently used first)."""
 
     @abc.abstractmethod

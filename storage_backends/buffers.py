@@ -1,4 +1,5 @@
 """Caller-provided destinations (`out=`): writable byte views of buffers and tensors."""
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,9 @@ def out_view(out, nbytes: int) -> memoryview | None:
         if not out.is_contiguous():
             raise ValueError("out must be a contiguous tensor")
         if out.numel() * out.element_size() < nbytes:
-            raise ValueError(f"out has {out.numel() * out.element_size()} bytes, the segment needs {nbytes}")
+            raise ValueError(
+                f"out has {out.numel() * out.element_size()} bytes, the segment needs {nbytes}"
+            )
         if out.device.type != "cpu":
             return None
         return memoryview(out.reshape(-1).view(torch.uint8).numpy())[:nbytes]
@@ -51,6 +54,20 @@ def clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def with_payload(seg: KVSegment, payload: torch.Tensor) -> KVSegment:
-    return KVSegment(seg.key, seg.parent, seg.tokens, seg.fingerprint, seg.num_layers, seg.num_tokens,
-                     seg.num_kv_heads, seg.head_dim, seg.dtype, seg.quant, seg.scales, seg.base_position,
-                     seg.codec, payload, seg.checksums)
+    return KVSegment(
+        seg.key,
+        seg.parent,
+        seg.tokens,
+        seg.fingerprint,
+        seg.num_layers,
+        seg.num_tokens,
+        seg.num_kv_heads,
+        seg.head_dim,
+        seg.dtype,
+        seg.quant,
+        seg.scales,
+        seg.base_position,
+        seg.codec,
+        payload,
+        seg.checksums,
+    )

@@ -1,25 +1,45 @@
 """The cpu tier: encoded segments laid over fixed pages of one preallocated host buffer."""
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import torch
 
-from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
-                                   check_namespace, parse_size)
+from tierkv.storage_backends.base import (
+    DEFAULT_NAMESPACE,
+    IndexedTier,
+    Latency,
+    LayerChunk,
+    Leases,
+    TierStats,
+    check_key,
+    check_namespace,
+    parse_size,
+)
 from tierkv.storage_backends.buffers import copy_into, out_view
 from tierkv.storage_backends.pages import PageAllocator, runs
-from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, checksum, decode_layer
+from tierkv.storage_backends.segment import (
+    KVSegment,
+    SegmentError,
+    SegmentHeader,
+    checksum,
+    decode_layer,
+)
 
 
 @dataclass(slots=True)
 class CpuTierConfig:
     capacity_bytes: int | str = "1GiB"  # the whole buffer, allocated once at start; never exceeded
-    page_bytes: int | str = "256KiB"  # allocation unit; a segment wastes at most one page less a byte
-    pin_memory: bool | None = None  # page-lock the buffer for fast H2D copies; None: when CUDA is present
+    page_bytes: int | str = (
+        "256KiB"  # allocation unit; a segment wastes at most one page less a byte
+    )
+    pin_memory: bool | None = (
+        None  # page-lock the buffer for fast H2D copies; None: when CUDA is present
+    )
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
     # Re-check layer checksums on every read. The tier holds only bytes it copied itself from
     # checked or locally computed segments, so this guards against memory corruption alone,
@@ -31,8 +51,10 @@ class CpuTierConfig:
         self.capacity_bytes = parse_size(self.capacity_bytes)
         self.page_bytes = parse_size(self.page_bytes)
         if self.page_bytes < 4096 or self.capacity_bytes < self.page_bytes:
-            raise ValueError(f"need page_bytes >= 4096 and capacity_bytes >= page_bytes, got "
-                             f"{self.page_bytes} and {self.capacity_bytes}")
+            raise ValueError(
+                f"need page_bytes >= 4096 and capacity_bytes >= page_bytes, got "
+                f"{self.page_bytes} and {self.capacity_bytes}"
+            )
 
 
 @dataclass(slots=True)
@@ -57,11 +79,17 @@ class CpuTier(IndexedTier):
         self._mv = memoryview(self._buf.numpy())
         self.pinned = pin
         self.pages = PageAllocator(num_pages)
-        self.index: OrderedDict[tuple[str, bytes], CpuEntry] = OrderedDict()  # LRU order: oldest first
+        self.index: OrderedDict[tuple[str, bytes], CpuEntry] = (
+            OrderedDict()
+        )  # LRU order: oldest first
         self.counts: dict[str, int] = {}
         self.leases = Leases()
-        self._stats = TierStats(name=self.name, capacity_bytes=num_pages * c.page_bytes, device="cpu",
-                                notes="pinned" if pin else "pageable")
+        self._stats = TierStats(
+            name=self.name,
+            capacity_bytes=num_pages * c.page_bytes,
+            device="cpu",
+            notes="pinned" if pin else "pageable",
+        )
         self._get_lat, self._put_lat = Latency(), Latency()
 
     # -- reading ---------------------------------------------------------------------------
@@ -78,7 +106,7 @@ class CpuTier(IndexedTier):
                 dst = out_view(out, h.payload_raw_nbytes)
                 if dst is not None:
                     for i, (off, n) in enumerate(h.layers):  # check each layer while it is in cache
-                        part = dst[off - h.header_nbytes:off - h.header_nbytes + n]
+                        part = dst[off - h.header_nbytes : off - h.header_nbytes + n]
                         self._gather(entry, off, off + n, part)
                         if self.config.verify_gets and checksum(part) != h.checksums[i]:
                             raise SegmentError(f"layer {i}: checksum mismatch")
@@ -106,9 +134,11 @@ class CpuTier(IndexedTier):
     def _gather(self, entry: CpuEntry, start: int, stop: int, dst: memoryview) -> None:
         pb = self.config.page_bytes
         for at, logical, n in runs(entry.pages, pb, start, stop):
-            dst[logical - start:logical - start + n] = self._mv[at:at + n]
+            dst[logical - start : logical - start + n] = self._mv[at : at + n]
 
-    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+    async def get_layers(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE
+    ) -> AsyncIterator[LayerChunk]:
         check_namespace(ns)
         entry = self.index.get((ns, check_key(key)))
         if entry is None:
@@ -164,7 +194,7 @@ class CpuTier(IndexedTier):
 
     def _scatter(self, entry: CpuEntry, start: int, src: memoryview) -> None:
         for at, logical, n in runs(entry.pages, self.config.page_bytes, start, start + len(src)):
-            self._mv[at:at + n] = src[logical - start:logical - start + n]
+            self._mv[at : at + n] = src[logical - start : logical - start + n]
 
     def _make_room(self, need: int) -> bool:
         """Evict unleased entries, least recently used first, until `need` pages are free."""
@@ -212,7 +242,9 @@ class CpuTier(IndexedTier):
         """Allocator and index agree: no overlap, no leak, usage within capacity."""
         self.pages.check_integrity(e.pages for e in self.index.values())
         for e in self.index.values():
-            assert len(e.pages) * self.config.page_bytes >= e.header.nbytes, "segment larger than its pages"
+            assert len(e.pages) * self.config.page_bytes >= e.header.nbytes, (
+                "segment larger than its pages"
+            )
         assert self.used_bytes <= self._stats.capacity_bytes, "above capacity"
         assert sum(self.counts.values()) == len(self.index), "namespace counts drifted"
 
@@ -220,4 +252,3 @@ class CpuTier(IndexedTier):
         self.index.clear()
         self.counts.clear()
         self.pages = PageAllocator(self.pages.num_pages)
-

@@ -1,4 +1,5 @@
 """The disk tier: one self-describing segment file per entry, under root/<namespace>/<keyhex>.tkv."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,25 +8,48 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiofiles
 
-from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
-                                   check_namespace, parse_size)
+from tierkv.storage_backends.base import (
+    DEFAULT_NAMESPACE,
+    IndexedTier,
+    Latency,
+    LayerChunk,
+    Leases,
+    TierStats,
+    check_key,
+    check_namespace,
+    parse_size,
+)
 from tierkv.storage_backends.buffers import copy_into, out_view
-from tierkv.storage_backends.segment import (PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum,
-                                      decode_layer)
-from tierkv.storage_backends.segment_files import check_same_header, load, read_aio, read_cached, read_header
+from tierkv.storage_backends.segment import (
+    PREFIX_NBYTES,
+    KVSegment,
+    SegmentError,
+    SegmentHeader,
+    checksum,
+    decode_layer,
+)
+from tierkv.storage_backends.segment_files import (
+    check_same_header,
+    load,
+    read_aio,
+    read_cached,
+    read_header,
+)
 
 _NAME = re.compile(r"[0-9a-f]{32}\.tkv")
 
 
 @dataclass(slots=True)
 class DiskTierConfig:
-    root: str | Path = "tierkv-cache"  # directory of the cache; created if missing; kept across restarts
+    root: str | Path = (
+        "tierkv-cache"  # directory of the cache; created if missing; kept across restarts
+    )
     capacity_bytes: int | str = "16GiB"  # total bytes of segment files; never exceeded
     fsync: bool = True  # fsync each file before its rename, so a crash leaves whole files or none
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
@@ -58,8 +82,9 @@ class DiskTier(IndexedTier):
         self.used_bytes = 0  # bytes of indexed files
         self.reserved_bytes = 0  # bytes of files being written
         self._pending: dict[tuple[str, bytes], asyncio.Future] = {}
-        self._stats = TierStats(name=self.name, capacity_bytes=self.config.capacity_bytes,
-                                device=str(self.root))
+        self._stats = TierStats(
+            name=self.name, capacity_bytes=self.config.capacity_bytes, device=str(self.root)
+        )
         self._get_lat, self._put_lat = Latency(), Latency()
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -104,19 +129,28 @@ class DiskTier(IndexedTier):
         head = memoryview(bytearray(h.header_nbytes if dst is not None else h.nbytes))
         spans = [(0, head)]
         if dst is not None:  # the payload straight into the caller's buffer, layer by layer
-            spans += [(off, dst[off - h.header_nbytes:off - h.header_nbytes + n]) for off, n in h.layers]
+            spans += [
+                (off, dst[off - h.header_nbytes : off - h.header_nbytes + n]) for off, n in h.layers
+            ]
 
         def check(j: int) -> None:  # each layer while it is still in cache
             if j and checksum(spans[j][1]) != h.checksums[j - 1]:
                 raise SegmentError(f"layer {j - 1}: checksum mismatch")
+
         try:
             with self.lease(key, ns):
-                cached = read_cached(entry.path, spans, h.nbytes, check if dst is not None else None)
-                if not cached:  # a cold read: few large reads, as each aiofiles call is a thread hop
+                cached = read_cached(
+                    entry.path, spans, h.nbytes, check if dst is not None else None
+                )
+                if (
+                    not cached
+                ):  # a cold read: few large reads, as each aiofiles call is a thread hop
                     await read_aio(entry.path, [head] if dst is None else [head, dst], h.nbytes)
-            check_same_header(entry.prefix, head[:h.header_nbytes])
+            check_same_header(entry.prefix, head[: h.header_nbytes])
             if dst is not None:
-                seg = KVSegment.from_raw(h, dst, verify=not cached)  # cached reads were checked per layer
+                seg = KVSegment.from_raw(
+                    h, dst, verify=not cached
+                )  # cached reads were checked per layer
             else:
                 seg = KVSegment.from_parts(h, head)
                 seg = copy_into(seg, h, out) if out is not None else seg
@@ -130,7 +164,9 @@ class DiskTier(IndexedTier):
         self._get_lat.add(time.perf_counter() - t0)
         return seg
 
-    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+    async def get_layers(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE
+    ) -> AsyncIterator[LayerChunk]:
         check_namespace(ns)
         entry = self.index.get((ns, check_key(key)))
         if entry is None:
@@ -261,7 +297,9 @@ class DiskTier(IndexedTier):
 
     # -- bookkeeping -----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        assert self.used_bytes == sum(e.header.nbytes for e in self.index.values()), "used bytes drifted"
+        assert self.used_bytes == sum(e.header.nbytes for e in self.index.values()), (
+            "used bytes drifted"
+        )
         assert self.used_bytes + self.reserved_bytes <= self.config.capacity_bytes, "above capacity"
         assert sum(self.counts.values()) == len(self.index), "namespace counts drifted"
 

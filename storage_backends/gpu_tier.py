@@ -1,15 +1,25 @@
 """The gpu tier: segments kept as device tensors, the hot tier beside the engine."""
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import torch
 
-from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, IndexedTier, Latency, LayerChunk, Leases, TierStats, check_key,
-                                   check_namespace, parse_size)
+from tierkv.storage_backends.base import (
+    DEFAULT_NAMESPACE,
+    IndexedTier,
+    Latency,
+    LayerChunk,
+    Leases,
+    TierStats,
+    check_key,
+    check_namespace,
+    parse_size,
+)
 from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 
@@ -17,7 +27,9 @@ from tierkv.storage_backends.segment import KVSegment, SegmentError
 @dataclass(slots=True)
 class GpuTierConfig:
     capacity_bytes: int | str = "1GiB"  # payload bytes held on the device; never exceeded
-    device: str | None = None  # torch device; None: "cuda" when present, else "cpu" (and stats say so)
+    device: str | None = (
+        None  # torch device; None: "cuda" when present, else "cpu" (and stats say so)
+    )
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
 
     def __post_init__(self) -> None:
@@ -40,8 +52,12 @@ class GpuTier(IndexedTier):
         self.leases = Leases()
         self.used_bytes = 0
         notes = "" if self.device.type == "cuda" else "no CUDA: device tensors live on the CPU"
-        self._stats = TierStats(name=self.name, capacity_bytes=self.config.capacity_bytes,
-                                device=str(self.device), notes=notes)
+        self._stats = TierStats(
+            name=self.name,
+            capacity_bytes=self.config.capacity_bytes,
+            device=str(self.device),
+            notes=notes,
+        )
         self._get_lat, self._put_lat = Latency(), Latency()
 
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
@@ -59,7 +75,9 @@ class GpuTier(IndexedTier):
         self._get_lat.add(time.perf_counter() - t0)
         return seg
 
-    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+    async def get_layers(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE
+    ) -> AsyncIterator[LayerChunk]:
         check_namespace(ns)
         seg = self.index.get((ns, check_key(key)))
         if seg is None:

@@ -20,6 +20,7 @@ Byte format (version 1, all integers little-endian):
 A reader may fetch `PREFIX_NBYTES`, then `header_nbytes`, then one layer's byte range at a
 time, and check each layer alone with `decode_layer`. Anything malformed raises SegmentError.
 """
+
 from __future__ import annotations
 
 import struct
@@ -54,6 +55,7 @@ def checksum(raw) -> int:
 @dataclass(slots=True)
 class SegmentHeader:
     """Everything about a segment except its payload; decodable from the first bytes alone."""
+
     key: bytes
     parent: bytes
     num_layers: int
@@ -93,7 +95,9 @@ class SegmentHeader:
         """header_nbytes from the first PREFIX_NBYTES bytes, so a reader knows what to fetch."""
         mv = memoryview(prefix).cast("B")
         if len(mv) < PREFIX_NBYTES:
-            raise SegmentError(f"truncated segment: {len(mv)} bytes, the prefix needs {PREFIX_NBYTES}")
+            raise SegmentError(
+                f"truncated segment: {len(mv)} bytes, the prefix needs {PREFIX_NBYTES}"
+            )
         magic, version, flags, header_nbytes, _ = PREFIX.unpack_from(mv)
         if magic != MAGIC:
             raise SegmentError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
@@ -104,14 +108,16 @@ class SegmentHeader:
         return header_nbytes
 
     @staticmethod
-    def decode(buf) -> "SegmentHeader":
+    def decode(buf) -> SegmentHeader:
         mv = memoryview(buf).cast("B")
         hn = SegmentHeader.peek_nbytes(mv)
         if len(mv) < hn:
             raise SegmentError(f"truncated header: {len(mv)} bytes, the header needs {hn}")
         if checksum(mv[PREFIX_NBYTES:hn]) != PREFIX.unpack_from(mv)[4]:
             raise SegmentError("header checksum mismatch")
-        (key, parent, nl, nt, nh, hd, base, dt, qu, co, _, fl) = FIXED.unpack_from(mv, PREFIX_NBYTES)
+        (key, parent, nl, nt, nh, hd, base, dt, qu, co, _, fl) = FIXED.unpack_from(
+            mv, PREFIX_NBYTES
+        )
         if not (1 <= nl <= 4096 and 1 <= nt <= MAX_DIM and 1 <= nh <= 4096 and 1 <= hd <= 4096):
             raise SegmentError(f"bad shape [{nl}, 2, {nt}, {nh}, {hd}]")
         if dt >= len(DTYPE_NAMES) or qu >= len(QUANTS) or co >= len(CODECS):
@@ -124,41 +130,85 @@ class SegmentHeader:
         need = pos + fl + 4 * nt + 4 * nscales + LAYER.size * nl
         if need > hn:
             raise SegmentError(f"header fields need {need} bytes, header_nbytes is {hn}")
-        fingerprint = bytes(mv[pos:pos + fl]); pos += fl
-        tokens = np.frombuffer(mv, dtype="<i4", count=nt, offset=pos).astype(np.int32); pos += 4 * nt
+        fingerprint = bytes(mv[pos : pos + fl])
+        pos += fl
+        tokens = np.frombuffer(mv, dtype="<i4", count=nt, offset=pos).astype(np.int32)
+        pos += 4 * nt
         scales = None
         if nscales:
-            scales = np.frombuffer(mv, dtype="<f4", count=nscales, offset=pos).reshape(nl, 2, nh).copy()
+            scales = (
+                np.frombuffer(mv, dtype="<f4", count=nscales, offset=pos).reshape(nl, 2, nh).copy()
+            )
             pos += 4 * nscales
-        h = SegmentHeader(bytes(key), bytes(parent), nl, nt, nh, hd, base, dtype, quant,
-                          CODECS[co], fingerprint, tokens, scales, [], [], hn)
+        h = SegmentHeader(
+            bytes(key),
+            bytes(parent),
+            nl,
+            nt,
+            nh,
+            hd,
+            base,
+            dtype,
+            quant,
+            CODECS[co],
+            fingerprint,
+            tokens,
+            scales,
+            [],
+            [],
+            hn,
+        )
         at, raw = 0, h.layer_raw_nbytes
         for i in range(nl):
             off, n, ck = LAYER.unpack_from(mv, pos + i * LAYER.size)
             # lz4 expands by at most 1/255 and shrinks by at most 255x: this bounds what a
             # crafted header can make a reader allocate to 255x the bytes it really sent
-            if (off != at or n == 0 or (h.codec == "none" and n != raw) or n > raw + raw // 8 + 1024
-                    or raw > 255 * n + 64):
-                raise SegmentError(f"layer {i}: offset {off} length {n} do not match shape "
-                                   f"(expected offset {at}, raw length {raw}, codec {h.codec})")
-            h.layers.append((hn + off, n)); h.checksums.append(ck); at += n
+            if (
+                off != at
+                or n == 0
+                or (h.codec == "none" and n != raw)
+                or n > raw + raw // 8 + 1024
+                or raw > 255 * n + 64
+            ):
+                raise SegmentError(
+                    f"layer {i}: offset {off} length {n} do not match shape "
+                    f"(expected offset {at}, raw length {raw}, codec {h.codec})"
+                )
+            h.layers.append((hn + off, n))
+            h.checksums.append(ck)
+            at += n
         return h
 
     def encode(self) -> bytes:
-        fixed = FIXED.pack(self.key, self.parent, self.num_layers, self.num_tokens, self.num_kv_heads,
-                           self.head_dim, self.base_position, DTYPE_NAMES.index(self.dtype),
-                           QUANTS.index(self.quant), CODECS.index(self.codec), 0, len(self.fingerprint))
+        fixed = FIXED.pack(
+            self.key,
+            self.parent,
+            self.num_layers,
+            self.num_tokens,
+            self.num_kv_heads,
+            self.head_dim,
+            self.base_position,
+            DTYPE_NAMES.index(self.dtype),
+            QUANTS.index(self.quant),
+            CODECS.index(self.codec),
+            0,
+            len(self.fingerprint),
+        )
         parts = [fixed, self.fingerprint, self.tokens.astype("<i4").tobytes()]
         if self.scales is not None:
             parts.append(self.scales.astype("<f4").tobytes())
-        parts += [LAYER.pack(off - self.header_nbytes, n, ck) for (off, n), ck in zip(self.layers, self.checksums)]
+        parts += [
+            LAYER.pack(off - self.header_nbytes, n, ck)
+            for (off, n), ck in zip(self.layers, self.checksums)
+        ]
         body = b"".join(parts)  # small: the header only, never the payload
         body += bytes(self.header_nbytes - PREFIX_NBYTES - len(body))
         return PREFIX.pack(MAGIC, VERSION, 0, self.header_nbytes, checksum(body)) + body
 
 
-def header_nbytes_for(num_layers: int, num_tokens: int, num_kv_heads: int, fingerprint_len: int,
-                      quant: str) -> int:
+def header_nbytes_for(
+    num_layers: int, num_tokens: int, num_kv_heads: int, fingerprint_len: int, quant: str
+) -> int:
     n = PREFIX_NBYTES + FIXED.size + fingerprint_len + 4 * num_tokens + LAYER.size * num_layers
     n += 4 * num_layers * 2 * num_kv_heads if quant == "fp8_e4m3" else 0
     return -(-n // ALIGN) * ALIGN

@@ -6,11 +6,12 @@ segment keys after a declared shared prefix P:  H(salt || b"after-prefix" || pre
 where salt = Salt.digest() (16 bytes), tokens are little-endian int32 bytes and prefix_key(P)
 is the chained key of P's last chunk (partial when P is not chunk-aligned).
 """
+
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -28,6 +29,7 @@ def _field(s: str) -> bytes:
 @dataclass(frozen=True, slots=True)
 class Salt:
     """What makes KV interchangeable. Two salts that differ in any field never share a key."""
+
     model_fingerprint: str  # architecture + weights digest (or checkpoint identity) + dtype
     kv_format: str  # layout, kv dtype, quantization, segment format version
     tp_size: int = 1
@@ -46,8 +48,12 @@ class Salt:
 
     def fingerprint(self) -> bytes:
         """16 bytes binding model, KV format, TP and chunk size (not the tenant): stored in headers."""
-        data = (b"tierkv-salt-v1" + _field(self.model_fingerprint) + _field(self.kv_format)
-                + struct.pack("<III", self.tp_size, self.tp_rank, self.chunk_size))
+        data = (
+            b"tierkv-salt-v1"
+            + _field(self.model_fingerprint)
+            + _field(self.kv_format)
+            + struct.pack("<III", self.tp_size, self.tp_rank, self.chunk_size)
+        )
         return xxhash.xxh3_128_digest(data)
 
     def digest(self) -> bytes:
@@ -95,7 +101,7 @@ class ChunkHasher:
         prev = self._seed
         for a, b in self.chunks(arr, partial):
             h = xxhash.xxh3_128(prev)
-            h.update(mv[4 * a:4 * b])
+            h.update(mv[4 * a : 4 * b])
             prev = h.digest()
             keys.append(prev)
         return keys

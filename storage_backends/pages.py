@@ -1,15 +1,17 @@
 """A fixed-page allocator over one preallocated buffer: the cpu tier's memory manager."""
+
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 
 @dataclass(slots=True)
 class PageAllocator:
     """Hands out page indices in [0, num_pages). Lowest free pages first, so a segment's pages
     tend to be contiguous and copy as a few large runs."""
+
     num_pages: int
     free: list[int] = field(default_factory=list)  # a min-heap
     owned: set[int] = field(default_factory=set)
@@ -52,7 +54,9 @@ class PageAllocator:
         assert len(seen) + len(self.free) == self.num_pages, "pages lost"
 
 
-def runs(pages: list[int], page_bytes: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+def runs(
+    pages: list[int], page_bytes: int, start: int, stop: int
+) -> Iterator[tuple[int, int, int]]:
     """(buffer offset, logical offset, length) of the byte range [start, stop) of a segment laid
     over `pages`, with physically contiguous pages merged into one run."""
     pos = start

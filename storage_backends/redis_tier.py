@@ -7,26 +7,40 @@ layer's byte range. Redis down or slow is a miss: after a fault the tier stays o
 backoff (doubling up to max_backoff_s) without touching Redis, logs one line per
 interval, and tries again afterwards, so it recovers by itself.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ClusterDownError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.asyncio.retry import Retry
 
-from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, Latency, LayerChunk, Tier, TierStats, check_key,
-                                   check_namespace)
+from tierkv.storage_backends.base import (
+    DEFAULT_NAMESPACE,
+    Latency,
+    LayerChunk,
+    Tier,
+    TierStats,
+    check_key,
+    check_namespace,
+)
 from tierkv.storage_backends.buffers import copy_into
-from tierkv.storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, decode_layer
+from tierkv.storage_backends.segment import (
+    PREFIX_NBYTES,
+    KVSegment,
+    SegmentError,
+    SegmentHeader,
+    decode_layer,
+)
 
 log = logging.getLogger("tierkv.redis")
 # Redis unreachable or too slow: these start a backoff. Other RedisErrors are one refused call.
@@ -36,10 +50,10 @@ _DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, OSError, asy
 @dataclass(slots=True)
 class RedisTierConfig:
     url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False        # Redis Cluster client; also chosen by a redis+cluster:// URL
-    ttl_s: int = 0               # expiry of every value (0: none; Redis' own maxmemory policy applies)
-    timeout_s: float = 1.0       # per command; a timeout is a miss
-    backoff_s: float = 0.5       # first pause after a fault
+    cluster: bool = False  # Redis Cluster client; also chosen by a redis+cluster:// URL
+    ttl_s: int = 0  # expiry of every value (0: none; Redis' own maxmemory policy applies)
+    timeout_s: float = 1.0  # per command; a timeout is a miss
+    backoff_s: float = 0.5  # first pause after a fault
     max_backoff_s: float = 10.0  # longest pause
     log_interval_s: float = 10.0  # at most one "redis down" line per interval
 
@@ -47,6 +61,7 @@ class RedisTierConfig:
 @dataclass(slots=True)
 class _Health:
     """When Redis may next be tried, and how long the current pause is."""
+
     until: float = 0.0
     pause: float = 0.0
     last_log: float = -1e9
@@ -69,7 +84,7 @@ class RedisTier(Tier):
         c = self.config
         url, cluster = c.url, c.cluster
         if url.startswith("redis+cluster://"):
-            url, cluster = "redis://" + url[len("redis+cluster://"):], True
+            url, cluster = "redis://" + url[len("redis+cluster://") :], True
         opts = dict(socket_timeout=c.timeout_s, socket_connect_timeout=c.timeout_s)
         if cluster:
             self.client = RedisCluster.from_url(url, **opts)
@@ -89,8 +104,10 @@ class RedisTier(Tier):
         self.counters.errors += 1
         h.pause = min(c.max_backoff_s, max(c.backoff_s, h.pause * 2))
         h.until, h.down = now + h.pause, True
-        self._log(f"redis tier unavailable ({op}: {type(e).__name__}: {e}); misses until it answers, "
-                  f"next try in {h.pause:.1f}s")
+        self._log(
+            f"redis tier unavailable ({op}: {type(e).__name__}: {e}); misses until it answers, "
+            f"next try in {h.pause:.1f}s"
+        )
 
     def _ok(self) -> None:
         h = self.health
@@ -129,6 +146,7 @@ class RedisTier(Tier):
                 for n in names:
                     pipe.exists(n)
                 return await pipe.execute()
+
         found = await self._call("contains", run())
         return [bool(x) for x in found] if found is not None else [False] * len(names)
 
@@ -153,7 +171,9 @@ class RedisTier(Tier):
         self.get_lat.add(time.perf_counter() - t0)
         return seg
 
-    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+    async def get_layers(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE
+    ) -> AsyncIterator[LayerChunk]:
         name = self._key(key, ns)
         if not self._up():
             self.counters.misses += 1
@@ -178,10 +198,15 @@ class RedisTier(Tier):
             data = await self._call("getrange", self.client.getrange(name, off, off + n - 1))
             if data is None:
                 return  # Redis gone midway: a short stream is a miss
-            if len(data) != n:  # deleted midway (a miss), or a value shorter than its header (corrupt)
+            if (
+                len(data) != n
+            ):  # deleted midway (a miss), or a value shorter than its header (corrupt)
                 size = await self._call("strlen", self.client.strlen(name))
                 if size and size != header.nbytes:
-                    await self._corrupt(name, SegmentError(f"value is {size} bytes, its header says {header.nbytes}"))
+                    await self._corrupt(
+                        name,
+                        SegmentError(f"value is {size} bytes, its header says {header.nbytes}"),
+                    )
                 return
             try:
                 decode_layer(header, i, data)
@@ -220,6 +245,7 @@ class RedisTier(Tier):
 
         async def run() -> int:
             return sum([1 async for _ in self.client.scan_iter(match=pattern, count=1000)])
+
         if self._up():
             n = await self._call("scan", run())
             if n is not None:

@@ -4,6 +4,7 @@ The byte format is in storage_backends/header.py. A segment is its header plus a
 payload [num_layers, 2, num_tokens, num_kv_heads, head_dim]; codecs none (default), lz4, and
 shuffle+lz4 (byte planes of each element, then lz4) apply per layer.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -13,16 +14,53 @@ import lz4.block
 import numpy as np
 import torch
 
-from tierkv.storage_backends.header import (ALIGN, CODECS, DTYPE_NAMES, FIXED, ITEMSIZE, LAYER, MAGIC, MAX_DIM,
-                                     PREFIX, PREFIX_NBYTES, QUANTS, VERSION, SegmentError, SegmentHeader,
-                                     checksum, header_nbytes_for)
+from tierkv.storage_backends.header import (
+    ALIGN,
+    CODECS,
+    DTYPE_NAMES,
+    FIXED,
+    ITEMSIZE,
+    LAYER,
+    MAGIC,
+    MAX_DIM,
+    PREFIX,
+    PREFIX_NBYTES,
+    QUANTS,
+    VERSION,
+    SegmentError,
+    SegmentHeader,
+    checksum,
+    header_nbytes_for,
+)
 
-__all__ = ["ALIGN", "CODECS", "DTYPES", "DTYPE_NAMES", "FIXED", "ITEMSIZE", "LAYER", "MAGIC", "MAX_DIM", "PREFIX",
-           "PREFIX_NBYTES", "QUANTS", "VERSION", "KVSegment", "SegmentError", "SegmentHeader", "checksum",
-           "decode_layer", "header_nbytes_for"]
+__all__ = [
+    "ALIGN",
+    "CODECS",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "FIXED",
+    "ITEMSIZE",
+    "LAYER",
+    "MAGIC",
+    "MAX_DIM",
+    "PREFIX",
+    "PREFIX_NBYTES",
+    "QUANTS",
+    "VERSION",
+    "KVSegment",
+    "SegmentError",
+    "SegmentHeader",
+    "checksum",
+    "decode_layer",
+    "header_nbytes_for",
+]
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                  "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 def _frombuffer(buf, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
@@ -79,6 +117,7 @@ def decode_layer(header: SegmentHeader, i: int, data) -> torch.Tensor:
 @dataclass(slots=True)
 class KVSegment:
     """A chunk's KV plus what a reader must check before using it. payload is [L, 2, T, H, D]."""
+
     key: bytes
     parent: bytes
     tokens: np.ndarray
@@ -96,48 +135,95 @@ class KVSegment:
     checksums: list[int] | None = None  # of each layer's raw bytes; None until computed
 
     @staticmethod
-    def from_tensor(kv: torch.Tensor, *, key: bytes, parent: bytes = bytes(16), tokens, fingerprint: bytes,
-                    base_position: int = 0, codec: str = "none", scales=None) -> "KVSegment":
+    def from_tensor(
+        kv: torch.Tensor,
+        *,
+        key: bytes,
+        parent: bytes = bytes(16),
+        tokens,
+        fingerprint: bytes,
+        base_position: int = 0,
+        codec: str = "none",
+        scales=None,
+    ) -> KVSegment:
         """Wrap kv [L, 2, T, H, D] (shared, not copied, when contiguous); checks every field."""
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2 or kv.numel() == 0:
-            raise SegmentError(f"kv must be a non-empty [L, 2, T, H, D] tensor, got "
-                               f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+            raise SegmentError(
+                f"kv must be a non-empty [L, 2, T, H, D] tensor, got "
+                f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}"
+            )
         names = {v: k for k, v in DTYPES.items()}
         if kv.dtype not in names:
             raise SegmentError(f"unsupported kv dtype {kv.dtype}; supported: {DTYPE_NAMES}")
-        if not (isinstance(key, bytes) and len(key) == 16 and isinstance(parent, bytes) and len(parent) == 16):
+        if not (
+            isinstance(key, bytes)
+            and len(key) == 16
+            and isinstance(parent, bytes)
+            and len(parent) == 16
+        ):
             raise SegmentError("key and parent must be 16 bytes each")
         if codec not in CODECS:
             raise SegmentError(f"unknown codec {codec!r}; known: {CODECS}")
         L, _, T, H, D = kv.shape
         tok = np.asarray(tokens, dtype=np.int64)
-        if tok.shape != (T,) or (tok.size and (tok.min() < -2**31 or tok.max() >= 2**31)):
+        if tok.shape != (T,) or (tok.size and (tok.min() < -(2**31) or tok.max() >= 2**31)):
             raise SegmentError(f"tokens must be {T} int32 values, got shape {tok.shape}")
         dtype = names[kv.dtype]
         quant = "fp8_e4m3" if dtype == "float8_e4m3fn" else "none"
         if quant == "fp8_e4m3":
             sc = np.asarray(scales if scales is not None else [], dtype=np.float32)
             if sc.shape != (L, 2, H):
-                raise SegmentError(f"fp8 kv needs float32 scales [{L}, 2, {H}], got shape {sc.shape}")
+                raise SegmentError(
+                    f"fp8 kv needs float32 scales [{L}, 2, {H}], got shape {sc.shape}"
+                )
         elif scales is not None:
             raise SegmentError(f"scales are only for float8_e4m3fn kv, not {dtype}")
         else:
             sc = None
         if max(L, T, H, D) > MAX_DIM:
             raise SegmentError(f"shape {tuple(kv.shape)} too large")
-        return KVSegment(key, parent, tok.astype(np.int32), bytes(fingerprint), L, T, H, D, dtype, quant,
-                         sc, int(base_position), codec, kv.contiguous())
+        return KVSegment(
+            key,
+            parent,
+            tok.astype(np.int32),
+            bytes(fingerprint),
+            L,
+            T,
+            H,
+            D,
+            dtype,
+            quant,
+            sc,
+            int(base_position),
+            codec,
+            kv.contiguous(),
+        )
 
     def header(self, lengths: list[int] | None = None) -> SegmentHeader:
-        hn = header_nbytes_for(self.num_layers, self.num_tokens, self.num_kv_heads, len(self.fingerprint),
-                               self.quant)
+        hn = header_nbytes_for(
+            self.num_layers, self.num_tokens, self.num_kv_heads, len(self.fingerprint), self.quant
+        )
         raw = 2 * self.num_tokens * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
         lengths = lengths or [raw] * self.num_layers
         offs = np.cumsum([0] + lengths[:-1]) + hn
-        return SegmentHeader(self.key, self.parent, self.num_layers, self.num_tokens, self.num_kv_heads,
-                             self.head_dim, self.base_position, self.dtype, self.quant, self.codec,
-                             self.fingerprint, self.tokens, self.scales,
-                             [(int(o), n) for o, n in zip(offs, lengths)], self.compute_checksums(), hn)
+        return SegmentHeader(
+            self.key,
+            self.parent,
+            self.num_layers,
+            self.num_tokens,
+            self.num_kv_heads,
+            self.head_dim,
+            self.base_position,
+            self.dtype,
+            self.quant,
+            self.codec,
+            self.fingerprint,
+            self.tokens,
+            self.scales,
+            [(int(o), n) for o, n in zip(offs, lengths)],
+            self.compute_checksums(),
+            hn,
+        )
 
     def compute_checksums(self) -> list[int]:
         if self.checksums is None:
@@ -150,7 +236,9 @@ class KVSegment:
     def encode_parts(self) -> tuple[SegmentHeader, bytes, list]:
         """(header, header bytes, each layer's encoded bytes): lets a writer stream without a join."""
         size = DTYPES[self.dtype].itemsize
-        blobs = [_encode_layer(self._raw_layer(i), self.codec, size) for i in range(self.num_layers)]
+        blobs = [
+            _encode_layer(self._raw_layer(i), self.codec, size) for i in range(self.num_layers)
+        ]
         h = self.header([len(memoryview(b).cast("B")) for b in blobs])
         return h, h.encode(), blobs
 
@@ -159,19 +247,27 @@ class KVSegment:
         h, head, blobs = self.encode_parts()
         out = bytearray(h.nbytes)
         mv = memoryview(out)
-        mv[:len(head)] = head
+        mv[: len(head)] = head
         for (off, n), b in zip(h.layers, blobs):
-            mv[off:off + n] = memoryview(b).cast("B")
+            mv[off : off + n] = memoryview(b).cast("B")
         return out
 
     @property
     def nbytes(self) -> int:
         """Header plus raw payload: the exact length of encode() for codec none."""
-        return header_nbytes_for(self.num_layers, self.num_tokens, self.num_kv_heads, len(self.fingerprint),
-                                 self.quant) + self.payload.numel() * self.payload.element_size()
+        return (
+            header_nbytes_for(
+                self.num_layers,
+                self.num_tokens,
+                self.num_kv_heads,
+                len(self.fingerprint),
+                self.quant,
+            )
+            + self.payload.numel() * self.payload.element_size()
+        )
 
     @staticmethod
-    def decode(buf, verify: bool = True) -> "KVSegment":
+    def decode(buf, verify: bool = True) -> KVSegment:
         """Decode; for codec none the payload is a view of buf, valid while buf is unchanged."""
         mv = memoryview(buf).cast("B")
         h = SegmentHeader.decode(mv)
@@ -180,30 +276,46 @@ class KVSegment:
         return KVSegment.from_parts(h, mv, verify)
 
     @staticmethod
-    def from_parts(h: SegmentHeader, mv: memoryview, verify: bool = True) -> "KVSegment":
+    def from_parts(h: SegmentHeader, mv: memoryview, verify: bool = True) -> KVSegment:
         """Build from a decoded header and the whole encoded buffer mv (its payload at h.layers)."""
         if h.codec == "none":
-            return KVSegment.from_raw(h, mv[h.header_nbytes:h.nbytes], verify)
+            return KVSegment.from_raw(h, mv[h.header_nbytes : h.nbytes], verify)
         raw = bytearray(h.payload_raw_nbytes)
         n = h.layer_raw_nbytes
         for i, (off, ln) in enumerate(h.layers):
-            raw[i * n:(i + 1) * n] = _decode_layer_bytes(h, i, mv[off:off + ln])
+            raw[i * n : (i + 1) * n] = _decode_layer_bytes(h, i, mv[off : off + ln])
         return KVSegment.from_raw(h, memoryview(raw), verify=False)
 
     @staticmethod
-    def from_raw(h: SegmentHeader, raw: memoryview, verify: bool = True) -> "KVSegment":
+    def from_raw(h: SegmentHeader, raw: memoryview, verify: bool = True) -> KVSegment:
         """Build over raw, the decoded payload bytes (kept as a view, not copied)."""
         dt, n = DTYPES[h.dtype], h.layer_raw_nbytes
         if len(raw) < h.payload_raw_nbytes:
-            raise SegmentError(f"payload is {len(raw)} bytes, the shape needs {h.payload_raw_nbytes}")
+            raise SegmentError(
+                f"payload is {len(raw)} bytes, the shape needs {h.payload_raw_nbytes}"
+            )
         if verify:
             for i in range(h.num_layers):
-                if checksum(raw[i * n:(i + 1) * n]) != h.checksums[i]:
+                if checksum(raw[i * n : (i + 1) * n]) != h.checksums[i]:
                     raise SegmentError(f"layer {i}: checksum mismatch")
         payload = _frombuffer(raw, dt, 0, h.payload_raw_nbytes // dt.itemsize)
-        return KVSegment(h.key, h.parent, h.tokens, h.fingerprint, h.num_layers, h.num_tokens, h.num_kv_heads,
-                         h.head_dim, h.dtype, h.quant, h.scales, h.base_position, h.codec,
-                         payload.view(h.num_layers, *h.layer_shape), list(h.checksums))
+        return KVSegment(
+            h.key,
+            h.parent,
+            h.tokens,
+            h.fingerprint,
+            h.num_layers,
+            h.num_tokens,
+            h.num_kv_heads,
+            h.head_dim,
+            h.dtype,
+            h.quant,
+            h.scales,
+            h.base_position,
+            h.codec,
+            payload.view(h.num_layers, *h.layer_shape),
+            list(h.checksums),
+        )
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's K and V, [2, T, H, D]: a view of the payload."""

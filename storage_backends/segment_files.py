@@ -1,4 +1,5 @@
 """Segment files: reading headers, page-cache reads without a thread hop, aiofiles reads."""
+
 from __future__ import annotations
 
 import errno
@@ -7,7 +8,13 @@ from pathlib import Path
 
 import aiofiles
 
-from tierkv.storage_backends.segment import PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader, checksum
+from tierkv.storage_backends.segment import (
+    PREFIX_NBYTES,
+    KVSegment,
+    SegmentError,
+    SegmentHeader,
+    checksum,
+)
 
 
 def read_header(path: Path) -> tuple[SegmentHeader, bytes] | None:

@@ -1,14 +1,21 @@
 """The tiered store: ordered tiers (fastest first) behind the one Tier interface."""
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
 
-from tierkv.storage_backends.base import (DEFAULT_NAMESPACE, LayerChunk, Tier, TierStats, check_key,
-                                   check_namespace)
+from tierkv.storage_backends.base import (
+    DEFAULT_NAMESPACE,
+    LayerChunk,
+    Tier,
+    TierStats,
+    check_key,
+    check_namespace,
+)
 from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
 from tierkv.storage_backends.segment import KVSegment
 
@@ -17,13 +24,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StoreConfig:
-    queue_size: int = 64  # background writes waiting for the slower tiers; beyond it they are dropped
+    queue_size: int = (
+        64  # background writes waiting for the slower tiers; beyond it they are dropped
+    )
     workers: int = 1  # tasks draining that queue
     promote: bool = True  # a hit in a slower tier is copied into every faster tier
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.workers < 1:
-            raise ValueError(f"queue_size and workers must be >= 1, got {self.queue_size}, {self.workers}")
+            raise ValueError(
+                f"queue_size and workers must be >= 1, got {self.queue_size}, {self.workers}"
+            )
 
 
 @dataclass(slots=True)
@@ -52,19 +63,20 @@ class Job:
 @dataclass(slots=True)
 class LeaseGroup:
     """A lease on every tier at once."""
+
     parts: list
 
     def release(self) -> None:
         for p in self.parts:
             p.release()
 
-    def __enter__(self) -> "LeaseGroup":
+    def __enter__(self) -> LeaseGroup:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
 
-    async def __aenter__(self) -> "LeaseGroup":
+    async def __aenter__(self) -> LeaseGroup:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -90,7 +102,9 @@ class TieredStore(Tier):
         # evicted, queued for the next tier: (segment, index of that tier)
         self._moving: dict[tuple[str, bytes], tuple[KVSegment, int]] = {}
         self._queued: dict[tuple[str, bytes], int] = {}  # jobs queued or running per key
-        self._gen: dict[tuple[str, bytes], int] = {}  # deletes of a key while it had jobs (bounded by them)
+        self._gen: dict[
+            tuple[str, bytes], int
+        ] = {}  # deletes of a key while it had jobs (bounded by them)
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._demoter(i)
 
@@ -99,13 +113,16 @@ class TieredStore(Tier):
             if self._enqueue(Job(ns, key, segment, i, [i + 1])):
                 self._stats.demoted += 1
                 self._moving[(ns, key)] = (segment, i + 1)
+
         return demote
 
     def _enqueue(self, job: Job) -> bool:
         if self._queue is None:
             self._queue = asyncio.Queue(self.config.queue_size)
-            self._workers = [asyncio.get_running_loop().create_task(self._work())
-                             for _ in range(self.config.workers)]
+            self._workers = [
+                asyncio.get_running_loop().create_task(self._work())
+                for _ in range(self.config.workers)
+            ]
         ident = (job.ns, job.key)
         job.gen = self._gen.get(ident, 0)
         try:
@@ -146,7 +163,9 @@ class TieredStore(Tier):
             tier = self.tiers[i]
             if self._gen.get((job.ns, job.key), 0) != job.gen:
                 return  # deleted after it was queued: a delete is final
-            if not (await tier.contains([job.key], job.ns))[0] and await tier.put(job.key, seg, job.ns):
+            if not (await tier.contains([job.key], job.ns))[0] and await tier.put(
+                job.key, seg, job.ns
+            ):
                 self._stats.written += 1
                 if self._gen.get((job.ns, job.key), 0) != job.gen:  # deleted while this put ran
                     await tier.delete(job.key, job.ns)
@@ -160,7 +179,11 @@ class TieredStore(Tier):
         if len(self.tiers) > 1:
             # The queued job must not see later writes to the caller's tensor: read it back from
             # tiers[0], or, when tiers[0] refused it, queue a private copy.
-            src = None if ok else with_payload(segment, clone_to(segment.payload, segment.payload.device))
+            src = (
+                None
+                if ok
+                else with_payload(segment, clone_to(segment.payload, segment.payload.device))
+            )
             ok = self._enqueue(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
         return ok
 
@@ -186,7 +209,9 @@ class TieredStore(Tier):
         self._stats.misses += 1
         return None
 
-    async def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[LayerChunk]:
+    async def get_layers(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE
+    ) -> AsyncIterator[LayerChunk]:
         check_namespace(ns)
         check_key(key)
         for tier in self.tiers:
@@ -229,15 +254,27 @@ class TieredStore(Tier):
         moving = self._moving.pop(ident, None) is not None
         return any([await t.delete(key, ns) for t in self.tiers]) or moving
 
-    def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> LeaseGroup:
-        return LeaseGroup([t.lease(key, ns) if ttl is None else t.lease(key, ns, ttl) for t in self.tiers])
+    def lease(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None
+    ) -> LeaseGroup:
+        return LeaseGroup(
+            [t.lease(key, ns) if ttl is None else t.lease(key, ns, ttl) for t in self.tiers]
+        )
 
     def stats(self) -> TierStats:
         """Store hits and misses, and the sums over tiers; store_stats() has each tier and the queue."""
         per = [t.stats() for t in self.tiers]
         total = TierStats(name=self.name, device="+".join(s.name for s in per))
-        for f in ("bytes_in", "bytes_out", "evictions", "errors", "puts", "used_bytes",
-                  "capacity_bytes", "num_segments"):
+        for f in (
+            "bytes_in",
+            "bytes_out",
+            "evictions",
+            "errors",
+            "puts",
+            "used_bytes",
+            "capacity_bytes",
+            "num_segments",
+        ):
             setattr(total, f, sum(getattr(s, f) for s in per))
         total.hits, total.misses = self._stats.hits, self._stats.misses
         return total

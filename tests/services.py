@@ -2,6 +2,7 @@
 
 Tests start what they need and stop it; nothing here is mocked.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -50,9 +51,21 @@ class RedisProcess:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisProcess":
-        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self.dir), *self.extra]
+    def start(self) -> RedisProcess:
+        args = [
+            redis_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            *self.extra,
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
         return self
@@ -102,15 +115,36 @@ class RedisCluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0"
 
-    def start(self, timeout: float = 20.0) -> "RedisCluster":
+    def start(self, timeout: float = 20.0) -> RedisCluster:
         for _ in range(self.masters * (1 + self.replicas)):
-            node = RedisProcess(port=_cluster_port(), extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
-                                       "--cluster-config-file", "nodes.conf"])
+            node = RedisProcess(
+                port=_cluster_port(),
+                extra=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                ],
+            )
             self.nodes.append(node.start())
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas",
-                        str(self.replicas), "--cluster-yes"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *addrs,
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=timeout,
+        )
         deadline = time.monotonic() + timeout
         while not all(self._ok(n) for n in self.nodes):
             if time.monotonic() > deadline:
@@ -120,8 +154,12 @@ class RedisCluster:
 
     @staticmethod
     def _ok(node: RedisProcess) -> bool:
-        out = subprocess.run(["redis-cli", "-p", str(node.port), "cluster", "info"],
-                             capture_output=True, text=True, timeout=5).stdout
+        out = subprocess.run(
+            ["redis-cli", "-p", str(node.port), "cluster", "info"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
         return "cluster_state:ok" in out
 
     def stop(self) -> None:
@@ -147,17 +185,34 @@ class ServerProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "ServerProcess":
+    def start(self, timeout: float = 30.0) -> ServerProcess:
         import os
         import sys
 
-        cmd = [sys.executable, "-m", "tierkv.cacheserver", "--port", str(self.port), "--cache-dir",
-               str(self.cache_dir), "--cpu-bytes", "64MiB", "--disk-bytes", "256MiB", *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierkv.cacheserver",
+            "--port",
+            str(self.port),
+            "--cache-dir",
+            str(self.cache_dir),
+            "--cpu-bytes",
+            "64MiB",
+            "--disk-bytes",
+            "256MiB",
+            *self.args,
+        ]
         env = {**os.environ, **self.env}
         # Output goes to a file: a pipe nobody reads would block the server once full.
         with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parent.parent,
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=Path(__file__).resolve().parent.parent,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout
         while "listening" not in self.log.read_text().split("tierkv-server stopped")[-1]:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -198,9 +253,20 @@ class TlsRedisProcess(RedisProcess):
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
 
-    def start(self) -> "TlsRedisProcess":
-        self.extra = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
-                      "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.cert),
-                      "--tls-auth-clients", "no"]
+    def start(self) -> TlsRedisProcess:
+        self.extra = [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(self.cert),
+            "--tls-key-file",
+            str(self.key),
+            "--tls-ca-cert-file",
+            str(self.cert),
+            "--tls-auth-clients",
+            "no",
+        ]
         RedisProcess.start(self)
         return self

@@ -3,6 +3,7 @@ Hugging Face transformers' own modules (fp32): each document run alone at its of
 prompt (RoPE is relative, so this is its standalone KV re-rotated), then CacheBlend written out
 densely: layers before the check layer in full, the check layer's fresh K ranks the loaded
 rows, and from there on only the kept rows run, over cached K/V for the others."""
+
 from __future__ import annotations
 
 import math
@@ -11,9 +12,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from tests.test_blend import DOCS, QUESTION, ckpt, conn, engine, first_logits, prompt  # noqa: F401
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams, blend
-from tests.test_blend import DOCS, QUESTION, ckpt, conn, engine, first_logits, prompt  # noqa: F401
 
 
 class Dense:
@@ -38,7 +39,7 @@ class Dense:
 
     def attend(self, q, qpos, k, v, kpos) -> torch.Tensor:
         rep = self.hq // self.hkv
-        s = q @ k.repeat_interleave(rep, 0).transpose(1, 2) * self.d ** -0.5
+        s = q @ k.repeat_interleave(rep, 0).transpose(1, 2) * self.d**-0.5
         s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
         return s.softmax(-1) @ v.repeat_interleave(rep, 0)
 
@@ -75,12 +76,14 @@ class Dense:
         q, k, v = self.qkv(check, h, pos)
         dev = (k[:, :loaded] - kc[check]).pow(2).sum(dim=(0, 2))
         m = math.ceil(ratio * loaded - 1e-9)
-        keep = torch.cat([torch.topk(dev, m).indices.sort().values, torch.arange(loaded, len(tokens))])
+        keep = torch.cat(
+            [torch.topk(dev, m).indices.sort().values, torch.arange(loaded, len(tokens))]
+        )
         h = self.finish(check, h[keep], self.attend(q[:, keep], pos[keep], k, v, pos))
         for i in range(check + 1, len(self.hf.model.layers)):
             q, k, v = self.qkv(i, h, pos[keep])
-            K = torch.cat([kc[i], k[:, -len(QUESTION):]], 1)
-            V = torch.cat([vc[i], v[:, -len(QUESTION):]], 1)
+            K = torch.cat([kc[i], k[:, -len(QUESTION) :]], 1)
+            V = torch.cat([vc[i], v[:, -len(QUESTION) :]], 1)
             K[:, keep], V[:, keep] = k, v
             h = self.finish(i, h, self.attend(q, pos[keep], K, V, pos))
         return self.hf.lm_head(self.hf.model.norm(h[-1])), m
@@ -93,10 +96,23 @@ def test_blend_matches_dense_reference(ckpt, conn, ratio: float, check: int) -> 
     with torch.no_grad():
         ref, m = Dense(hf).blend(order, ratio, check)
     llm = engine(path, conn)
-    got, _, metrics = first_logits(llm, prompt(order), SamplingParams(
-        max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=ratio, blend_check_layer=check))
-    assert metrics.blend == {"loaded": sum(map(len, DOCS)), "recomputed": m, "computed": len(QUESTION),
-                             "full_layers": check}
+    got, _, metrics = first_logits(
+        llm,
+        prompt(order),
+        SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            ignore_eos=True,
+            blend_ratio=ratio,
+            blend_check_layer=check,
+        ),
+    )
+    assert metrics.blend == {
+        "loaded": sum(map(len, DOCS)),
+        "recomputed": m,
+        "computed": len(QUESTION),
+        "full_layers": check,
+    }
     torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
 
 
@@ -119,18 +135,38 @@ def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:  # noqa: F811
     first_logits(engine(path, conn), prompt(order), p15)
     fp8_conn = TierKVConnector(ConnectorConfig(chunk_size=64, cpu_bytes="32MiB"))
     try:
-        llm = LLM(str(path), dtype="float32", kv_cache_bytes=16 << 20, enable_prefix_caching=False,
-                  kv_cache_dtype="fp8", kv_connector=fp8_conn)
-        ref, _, _ = first_logits(llm, sum((DOCS[i] for i in order), []) + QUESTION, SamplingParams(
-            max_tokens=1, temperature=0.0, ignore_eos=True))
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            kv_cache_bytes=16 << 20,
+            enable_prefix_caching=False,
+            kv_cache_dtype="fp8",
+            kv_connector=fp8_conn,
+        )
+        ref, _, _ = first_logits(
+            llm,
+            sum((DOCS[i] for i in order), []) + QUESTION,
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
         kl = {}
         for r in (0.15, 1.0, 0.0):
-            got, _, m = first_logits(llm, prompt(order), SamplingParams(max_tokens=1, temperature=0.0,
-                                                                        ignore_eos=True, blend_ratio=r))
-            assert m.blend["loaded"] == loaded and m.blend["recomputed"] == math.ceil(r * loaded - 1e-9)
-            kl[r] = float(torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                                     reduction="sum"))
+            got, _, m = first_logits(
+                llm,
+                prompt(order),
+                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=r),
+            )
+            assert m.blend["loaded"] == loaded and m.blend["recomputed"] == math.ceil(
+                r * loaded - 1e-9
+            )
+            kl[r] = float(
+                torch.nn.functional.kl_div(
+                    got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum"
+                )
+            )
     finally:
         fp8_conn.close()
-    assert len(picked[1] & picked[0]) >= 0.8 * len(picked[0]), (len(picked[1] & picked[0]), len(picked[0]))
+    assert len(picked[1] & picked[0]) >= 0.8 * len(picked[0]), (
+        len(picked[1] & picked[0]),
+        len(picked[0]),
+    )
     assert kl[1.0] < 1e-6 and kl[0.15] < kl[0.0], kl

@@ -1,7 +1,9 @@
 """BlockManager: reference counts, copy-on-write, prefix reuse, capacity (unit + hypothesis)."""
+
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.sampling_params import SamplingParams
@@ -39,7 +41,9 @@ def test_copy_on_write_for_a_shared_partial_block():
     bm.fork(p, c)
     assert bm.ref[p.block_table[1]] == 2
     copies = bm.allocate(c, 7)  # writes into the shared half-full block
-    assert len(copies) == 1 and copies[0][0] == p.block_table[1] and c.block_table[1] == copies[0][1]
+    assert (
+        len(copies) == 1 and copies[0][0] == p.block_table[1] and c.block_table[1] == copies[0][1]
+    )
     assert c.block_table[0] == p.block_table[0] and bm.ref[p.block_table[0]] == 2
     assert bm.allocate(p, 7) == []  # p is now the only owner of its block
     bm.check_integrity([p, c])
@@ -56,8 +60,14 @@ def test_allocation_failure_changes_nothing():
     bm.check_integrity([a])
 
 
-ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 7),
-                         st.lists(st.integers(0, 1), min_size=1, max_size=12)), max_size=40)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["new", "grow", "fork", "free"]),
+        st.integers(0, 7),
+        st.lists(st.integers(0, 1), min_size=1, max_size=12),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -84,7 +94,7 @@ def test_random_workload_keeps_invariants(num_blocks, prefix, script):
                 s.num_computed_tokens = len(s)
                 bm.cache_blocks(s)
             else:
-                del s.token_ids[s.num_computed_tokens:]
+                del s.token_ids[s.num_computed_tokens :]
         elif op == "fork" and live:
             p = live[k % len(live)]
             c = seq(next_id[0], p.token_ids)

@@ -1,5 +1,6 @@
 """The connector end to end: a hit gives the same greedy tokens as a cold run (fp32), from
 every tier; faults and foreign KV are recomputed, counted and never injected."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,34 +9,53 @@ import dataclasses
 import pytest
 import torch
 
+from tests.services import ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from tests.services import ServerProcess
 
-CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+CFG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
 CHUNK = 64
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, CFG["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        0, CFG["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 PROMPT = tokens(330, 1)  # 5 full chunks of 64 and a partial one
 
 
 def engine(conn=None, seed: int = 0, dtype: str = "float32") -> LLM:
-    return LLM(CFG, dtype=dtype, kv_cache_bytes=4 << 20, enable_prefix_caching=False, kv_connector=conn,
-               seed=seed)
+    return LLM(
+        CFG,
+        dtype=dtype,
+        kv_cache_bytes=4 << 20,
+        enable_prefix_caching=False,
+        kv_connector=conn,
+        seed=seed,
+    )
 
 
 @pytest.fixture(scope="module")
 def cold() -> dict[str, list[int]]:
     """Greedy outputs without any cache, for every prompt the tests use."""
     llm = engine()
-    prompts = {"full": PROMPT, "partial": PROMPT[:200] + tokens(90, 2), "longer": PROMPT + tokens(150, 3)}
+    prompts = {
+        "full": PROMPT,
+        "partial": PROMPT[:200] + tokens(90, 2),
+        "longer": PROMPT + tokens(150, 3),
+    }
     return {k: llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for k, p in prompts.items()}
 
 
@@ -63,7 +83,12 @@ def check_reuse(writer: TierKVConnector, reader, cold: dict, tier: str) -> None:
     longer = run(reader, PROMPT + tokens(150, 3))  # all 5 chunks hit, then new tokens
     assert longer.token_ids == cold["longer"]
     assert longer.metrics.external_tokens == 5 * CHUNK
-    assert reader.stats.load_rejected == reader.stats.load_errors == reader.stats.recomputed_tokens == 0
+    assert (
+        reader.stats.load_rejected
+        == reader.stats.load_errors
+        == reader.stats.recomputed_tokens
+        == 0
+    )
 
 
 def test_reuse_from_cpu_tier(cold) -> None:
@@ -79,7 +104,9 @@ def test_reuse_from_disk_tier(cold, tmp_path) -> None:
     cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, disk_dir=tmp_path / "kv")
     readers = []
 
-    def restart() -> TierKVConnector:  # the writer's process is gone; the index comes from the files
+    def restart() -> (
+        TierKVConnector
+    ):  # the writer's process is gone; the index comes from the files
         writer.close()
         readers.append(TierKVConnector(cfg))
         return readers[0]
@@ -118,7 +145,9 @@ def test_reuse_from_redis(cold, redis_proc) -> None:
 
 def test_local_tier_promotes_remote_hits(cold, redis_proc) -> None:
     writer = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url))
-    reader = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", remote=redis_proc.url))
+    reader = TierKVConnector(
+        ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", remote=redis_proc.url)
+    )
     try:
         run(writer, PROMPT)
         assert run(reader, PROMPT).metrics.connector["loaded_tokens"] == {"redis": 5 * CHUNK}
@@ -140,8 +169,13 @@ def test_second_process_reuses_first_process_kv_through_server(cold) -> None:
     try:
         outs = []
         for _ in range(2):
-            p = subprocess.run([sys.executable, "-m", "tests.conn_worker", server.target, "1", "330"],
-                               capture_output=True, text=True, timeout=240, check=True)
+            p = subprocess.run(
+                [sys.executable, "-m", "tests.conn_worker", server.target, "1", "330"],
+                capture_output=True,
+                text=True,
+                timeout=240,
+                check=True,
+            )
             outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
         a, b = outs
         assert a["tokens"] == b["tokens"] == cold["full"]
@@ -173,13 +207,21 @@ class FaultTier(CpuTier):
             payload.view(torch.uint8).view(-1)[1234] ^= 0x10
             return dataclasses.replace(seg, payload=payload)
         other = (seg.tokens + 1) % CFG["vocab_size"]  # valid checksums, other tokens
-        return type(seg).from_tensor(seg.payload, key=seg.key, parent=seg.parent, tokens=other,
-                                     fingerprint=seg.fingerprint)
+        return type(seg).from_tensor(
+            seg.payload, key=seg.key, parent=seg.parent, tokens=other, fingerprint=seg.fingerprint
+        )
 
 
-@pytest.mark.parametrize("mode,counter", [("raise", "load_errors"), ("slow", "load_timeouts"),
-                                          ("flip", "load_rejected"), ("tokens", "load_rejected"),
-                                          ("drop", "load_misses")])
+@pytest.mark.parametrize(
+    "mode,counter",
+    [
+        ("raise", "load_errors"),
+        ("slow", "load_timeouts"),
+        ("flip", "load_rejected"),
+        ("tokens", "load_rejected"),
+        ("drop", "load_misses"),
+    ],
+)
 def test_faults_recompute_and_count(cold, mode: str, counter: str) -> None:
     tier = FaultTier(CpuTierConfig(capacity_bytes="16MiB"))
     conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, load_timeout_s=0.5), tiers=[tier])
@@ -202,7 +244,9 @@ def test_faults_recompute_and_count(cold, mode: str, counter: str) -> None:
 
 def test_salts_other_model_dtype_or_namespace_never_hit(redis_proc) -> None:
     def conn(ns: str) -> TierKVConnector:
-        return TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url, namespace=ns))
+        return TierKVConnector(
+            ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url, namespace=ns)
+        )
 
     a, b = conn("tenant-a"), conn("tenant-b")
     try:
@@ -215,6 +259,7 @@ def test_salts_other_model_dtype_or_namespace_never_hit(redis_proc) -> None:
             assert out.metrics.external_tokens == 0
         assert run(a, PROMPT).metrics.external_tokens == 5 * CHUNK  # the owner still hits
         import redis
+
         r = redis.Redis(port=redis_proc.port)
         assert len(r.keys("tierkv:tenant-a:*")) == 5 + 5 + 5  # three models' chunks, all tenant a
         assert len(r.keys("tierkv:tenant-b:*")) == 5
@@ -246,8 +291,14 @@ def test_fp8_engine_cache_reuse_matches_its_own_cold_run() -> None:
     greedy tokens as the same fp8 engine computing cold."""
     conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB"))
     try:
-        llm = LLM(CFG, dtype="float32", kv_cache_bytes=4 << 20, enable_prefix_caching=False,
-                  kv_cache_dtype="fp8", kv_connector=conn)
+        llm = LLM(
+            CFG,
+            dtype="float32",
+            kv_cache_bytes=4 << 20,
+            enable_prefix_caching=False,
+            kv_cache_dtype="fp8",
+            kv_connector=conn,
+        )
         first = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
         conn.flush()
         again = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]

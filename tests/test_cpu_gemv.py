@@ -1,11 +1,13 @@
 """The few-row linear layer over bf16 weights (kernels/cpu_gemv.cpp) against torch's fp32 math,
 its bad input, and the engine using it for decode steps of a widened bf16 model. A failed
 build fails these tests; it never skips them."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.model import Linear
@@ -28,8 +30,13 @@ def operands(m: int, n: int, k: int, seed: int, bias: bool):
 
 
 @settings(max_examples=60, deadline=None)
-@given(m=st.integers(0, GEMV_ROWS), n=st.integers(1, 70), k16=st.integers(1, 12), seed=st.integers(0, 99),
-       bias=st.booleans())
+@given(
+    m=st.integers(0, GEMV_ROWS),
+    n=st.integers(1, 70),
+    k16=st.integers(1, 12),
+    seed=st.integers(0, 99),
+    bias=st.booleans(),
+)
 def test_fp32_rows_match_torch(m: int, n: int, k16: int, seed: int, bias: bool) -> None:
     """fp32 x: the same sums as torch's fp32 GEMM over the widened weights, in another order."""
     x, w, b = operands(m, n, 16 * k16, seed, bias)
@@ -47,7 +54,7 @@ def test_bf16_rows_are_one_rounding_of_the_fp32_result(m: int, n: int, k: int) -
     exact = torch.nn.functional.linear(xb.double(), w.double(), b.double())
     assert got.dtype == torch.bfloat16
     # one bf16 rounding (half a step, 2^-9 relative) plus fp32 summation error
-    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     ref = torch.nn.functional.linear(xb.float(), w.float(), b).to(torch.bfloat16)
     assert (got == ref).float().mean() > 0.99  # torch's fp32 GEMM, rounded: equal but for ties
 
@@ -91,19 +98,32 @@ def test_linear_dispatch_by_rows(monkeypatch) -> None:
 def test_engine_decodes_through_the_bf16_weights(monkeypatch) -> None:
     """A bf16 model widened to fp32 keeps its bf16 weights (the tied lm_head shares the
     embedding's), decodes through them, and gives the greedy tokens of the fp32-only path."""
-    cfg = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=352, vocab_size=512, tie_word_embeddings=True)
+    cfg = dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=352,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     llm = LLM(cfg, dtype="bfloat16", matmul_dtype="float32", kv_cache_bytes=8 << 20)
     model = llm.runner.model
     assert model.lm_head.narrow.data_ptr() == model.embed_tokens.weight.data_ptr()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m.narrow is not None and m.narrow.dtype == torch.bfloat16 and m.weight.dtype == torch.float32
-               for m in linears)
+    assert all(
+        m.narrow is not None
+        and m.narrow.dtype == torch.bfloat16
+        and m.weight.dtype == torch.float32
+        for m in linears
+    )
     rows = []
     inner = layer_ops.gemv_usable
-    monkeypatch.setattr(layer_ops, "gemv_usable", lambda x, w: rows.append(x.shape[0]) or inner(x, w))
+    monkeypatch.setattr(
+        layer_ops, "gemv_usable", lambda x, w: rows.append(x.shape[0]) or inner(x, w)
+    )
     with_gemv = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
     assert rows.count(1) >= 23 * len(linears)  # every decode step's every linear layer
     monkeypatch.setattr(layer_ops, "gemv_usable", lambda x, w: False)

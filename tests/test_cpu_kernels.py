@@ -1,17 +1,19 @@
 """The C++ CPU decode kernel (kernels/cpu_attention.cpp) against the torch reference and an
 independent dense attention. The kernel is built here (g++ from the machine, ninja from the
 test dependencies); a failed build fails these tests, it never skips them."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tierkv.kernels import cpu, paged_attention, paged_attention_ref
 from tests.test_kernels import tol
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
+from tierkv.kernels import cpu, paged_attention, paged_attention_ref
 
 
 @pytest.fixture(autouse=True)
@@ -23,8 +25,18 @@ def _cpu_path(monkeypatch):
 
 def both(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(dispatch = the C++ kernel for decodes, the pure torch reference)."""
-    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.q_positions, b.scale,
-            b.k_scale, b.v_scale)
+    args = (
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.cu_seqlens_q,
+        b.q_positions,
+        b.scale,
+        b.k_scale,
+        b.v_scale,
+    )
     return paged_attention(*args), paged_attention_ref(*args, cpu_kernel=False)
 
 
@@ -33,8 +45,14 @@ def both(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 def test_decode_matches_reference_and_dense(dtype, hq, hkv, d):
     # One query at the last position, keys not a multiple of the block size, a single key,
     # a sequence with no keys, and one query at an earlier position than its last key.
-    b = make_batch(seed=hq * 3 + d, hq=hq, hkv=hkv, d=d, dtype=dtype,
-                   seqs=[(1, 1), (37, 1), (150, 1), (0, 0), (64, 1), (90, [40])])
+    b = make_batch(
+        seed=hq * 3 + d,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dtype=dtype,
+        seqs=[(1, 1), (37, 1), (150, 1), (0, 0), (64, 1), (90, [40])],
+    )
     assert cpu.decode_usable(b.q, b.k_cache, b.v_cache)
     got, ref = both(b)
     torch.testing.assert_close(got, ref, **tol(dtype))
@@ -42,8 +60,15 @@ def test_decode_matches_reference_and_dense(dtype, hq, hkv, d):
 
 
 def test_fp8_kv_matches_reference():
-    b = make_batch(seed=5, hq=8, hkv=2, d=64, dtype=torch.bfloat16, fp8=True,
-                   seqs=[(40, 1), (17, 1), (300, 1), (0, 0)])
+    b = make_batch(
+        seed=5,
+        hq=8,
+        hkv=2,
+        d=64,
+        dtype=torch.bfloat16,
+        fp8=True,
+        seqs=[(40, 1), (17, 1), (300, 1), (0, 0)],
+    )
     got, ref = both(b)
     torch.testing.assert_close(got, ref, **tol(torch.bfloat16))
     torch.testing.assert_close(got, dense_attention(b), **tol(torch.bfloat16))
@@ -51,18 +76,34 @@ def test_fp8_kv_matches_reference():
 
 def test_mixed_batch_decodes_beside_prefills():
     # Decodes go to the kernel, the prefill and sparse rows of the same call to SDPA.
-    b = make_batch(seed=9, hq=8, hkv=2, d=64, dtype=torch.float32,
-                   seqs=[(70, 20), (33, 1), (90, "sparse"), (5, 1), (16, 16)])
+    b = make_batch(
+        seed=9,
+        hq=8,
+        hkv=2,
+        d=64,
+        dtype=torch.float32,
+        seqs=[(70, 20), (33, 1), (90, "sparse"), (5, 1), (16, 16)],
+    )
     got, ref = both(b)
     torch.testing.assert_close(got, ref, **tol(torch.float32))
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 200), min_size=1, max_size=6), st.sampled_from([(2, 2), (4, 1), (8, 1), (16, 2)]),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**16))
+@given(
+    st.lists(st.integers(0, 200), min_size=1, max_size=6),
+    st.sampled_from([(2, 2), (4, 1), (8, 1), (16, 2)]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.integers(0, 2**16),
+)
 def test_decode_property(lens, heads, dtype, seed):
-    b = make_batch(seed=seed, hq=heads[0], hkv=heads[1], d=64, dtype=dtype,
-                   seqs=[(n, 1 if n else 0) for n in lens])
+    b = make_batch(
+        seed=seed,
+        hq=heads[0],
+        hkv=heads[1],
+        d=64,
+        dtype=dtype,
+        seqs=[(n, 1 if n else 0) for n in lens],
+    )
     got, ref = both(b)
     torch.testing.assert_close(got, ref, **tol(dtype))
 
@@ -71,10 +112,10 @@ def paged(nb: int, bs: int, lens: list[int], hq: int, hkv: int, d: int, seed: in
     """A cache of block size bs with shuffled blocks and one decode query per sequence."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // bs) for n in lens]
-    ids = torch.randperm(nb, generator=g)[:sum(need)].split(need)
+    ids = torch.randperm(nb, generator=g)[: sum(need)].split(need)
     bt = torch.zeros(len(lens), max(need), dtype=torch.int64)
     for i, x in enumerate(ids):
-        bt[i, :len(x)] = x
+        bt[i, : len(x)] = x
     k, v = (torch.randn(nb, bs, hkv, d, generator=g) for _ in range(2))
     q = torch.randn(len(lens), hq, d, generator=g)
     return q, k, v, bt, torch.tensor(lens)
@@ -86,7 +127,9 @@ def test_block_sizes_and_key_runs(bs, chunk):
     # Tiles of 16 tokens inside larger blocks, part-tiles in smaller ones; runs of keys (one
     # task each, merged by log-sum-exp) that start mid-block or mid-tile, or cover everything.
     q, k, v, bt, lens = paged(64, bs, [1, 5, 100, 333], 8, 2, 64, seed=bs + chunk)
-    want = paged_attention_ref(q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False)
+    want = paged_attention_ref(
+        q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False
+    )
     got = torch.ops.tierkv.paged_decode(q, k, v, bt, lens, 0.125, None, None, None, chunk)
     torch.testing.assert_close(got, want, **tol(torch.float32))
 
@@ -94,7 +137,9 @@ def test_block_sizes_and_key_runs(bs, chunk):
 def test_threads_and_concurrent_callers():
     # The engine calls from one thread with torch's pool; several callers must not share state.
     q, k, v, bt, lens = paged(256, 16, [700, 1, 250, 1000], 8, 2, 64, seed=1)
-    want = paged_attention_ref(q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False)
+    want = paged_attention_ref(
+        q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False
+    )
     got: list[torch.Tensor] = []
 
     def call() -> None:
@@ -116,8 +161,12 @@ def test_reference_where_the_kernel_does_not_apply(monkeypatch):
     monkeypatch.setenv("TIERKV_CPU_KERNEL", "0")
     assert not cpu.decode_usable(b.q, b.k_cache, b.v_cache)
     monkeypatch.delenv("TIERKV_CPU_KERNEL")
-    odd = make_batch(seed=2, hq=4, hkv=2, d=40, dtype=torch.float32, seqs=[(40, 1)])  # head dim % 16
-    mixed = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.bfloat16, seqs=[(40, 1)], cache_dtype=torch.float32)
+    odd = make_batch(
+        seed=2, hq=4, hkv=2, d=40, dtype=torch.float32, seqs=[(40, 1)]
+    )  # head dim % 16
+    mixed = make_batch(
+        seed=2, hq=4, hkv=2, d=64, dtype=torch.bfloat16, seqs=[(40, 1)], cache_dtype=torch.float32
+    )
     for x in (odd, mixed):
         assert not cpu.decode_usable(x.q, x.k_cache, x.v_cache)
         got, ref = both(x)
@@ -128,7 +177,9 @@ def test_kernel_values_are_not_the_reference():
     # Guard against a dispatch that silently runs the reference: the kernel's exp and
     # summation order differ, so fp32 outputs match closely but not bit for bit.
     q, k, v, bt, lens = paged(64, 16, [333, 200], 8, 2, 64, seed=4)
-    want = paged_attention_ref(q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125, cpu_kernel=False)
+    want = paged_attention_ref(
+        q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125, cpu_kernel=False
+    )
     got = paged_attention(q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125)
     torch.testing.assert_close(got, want, **tol(torch.float32))
     assert not torch.equal(got, want)
@@ -143,10 +194,23 @@ def test_op_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="dtype"):
         op(q.bfloat16(), k, v, bt, lens, 0.125, None, None, None, 1)
     with pytest.raises(RuntimeError, match="contiguous"):
-        op(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, bt, lens, 0.125, None, None, None, 1)
+        op(
+            q.transpose(0, 1).contiguous().transpose(0, 1),
+            k,
+            v,
+            bt,
+            lens,
+            0.125,
+            None,
+            None,
+            None,
+            1,
+        )
     with pytest.raises(RuntimeError, match="fp8"):
         raw = torch.zeros(k.shape, dtype=torch.uint8)
-        op(q, raw, raw, bt, lens, 0.125, None, None, torch.zeros(256), 1)  # fp8 bytes without scales
+        op(
+            q, raw, raw, bt, lens, 0.125, None, None, torch.zeros(256), 1
+        )  # fp8 bytes without scales
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -154,14 +218,28 @@ def test_rope_op_is_bit_identical_to_torch(dtype):
     # The engine's q and k are views split out of one projection; re-rotation passes
     # transposed caches; the op must read any row strides and round exactly as torch does.
     from tierkv.kernels.rope import RotaryEmbedding, rotate, rotate_ref
-    rope = RotaryEmbedding(64, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+    rope = RotaryEmbedding(
+        64,
+        500000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     g = torch.Generator().manual_seed(7)
     for n in (0, 1, 13, 300):
         qkv = (torch.randn(n, 768, generator=g) * 4).to(dtype)
         q, k, _ = qkv.split([512, 128, 128], -1)
         cos, sin = rope.cos_sin(torch.randint(0, 20000, (n,), generator=g))
-        for x in (q.view(n, 8, 64), k.view(n, 2, 64), k.reshape(n, 2, 64).transpose(0, 1).contiguous().transpose(0, 1)):
+        for x in (
+            q.view(n, 8, 64),
+            k.view(n, 2, 64),
+            k.reshape(n, 2, 64).transpose(0, 1).contiguous().transpose(0, 1),
+        ):
             assert cpu.rope_usable(x)
             got = rotate(x, cos, sin)
             assert got.is_contiguous() and torch.equal(got, rotate_ref(x, cos, sin))
@@ -173,6 +251,7 @@ def test_rope_op_is_bit_identical_to_torch(dtype):
 def test_write_kv_op_matches_reference(dtype):
     from tierkv.kernels import write_kv
     from tierkv.kernels.ref_kv import write_kv_ref
+
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(40, 3 * 2 * 64, generator=g).to(dtype)
     _, k, v = kv.split([2 * 64, 2 * 64, 2 * 64], -1)  # views, as the engine's k and v are

@@ -1,12 +1,14 @@
 """The C++ prefill attention (kernels/cpu_prefill.cpp) against a masked-softmax reference, in
 the engine against Hugging Face transformers, and the linear layers widened to fp32 for a bf16
 model (kernels/layer_ops.native_matmul). A failed build fails these tests; it never skips them."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.engine import LLM, SamplingParams
 from tierkv.kernels import cpu, paged_attention, paged_attention_ref
@@ -19,7 +21,9 @@ def _cpu_path(monkeypatch):
     assert cpu.load(), "the C++ CPU kernels did not build: see the log above"
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """fp32 attention of q [Nq, Hq, D] over k, v [T, Hkv, D]; query i sees keys j <= pos[i]."""
     g = q.shape[1] // k.shape[1]
     kf, vf = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
@@ -32,40 +36,63 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
 def inputs(nq: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(nq, hq + 2, d, generator=g).to(dtype)  # rows of q apart by more than Hq * D
-    q = wide[:, 1:1 + hq]
+    q = wide[:, 1 : 1 + hq]
     k, v = (torch.randn(t, hkv, d, generator=g).to(dtype) for _ in range(2))
     return q, k, v
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("nq,t,hq,hkv,d", [(37, 37, 8, 2, 64), (100, 300, 8, 2, 64), (5, 70, 4, 4, 128),
-                                            (64, 64, 8, 1, 64), (3, 1000, 6, 2, 64)])
+@pytest.mark.parametrize(
+    "nq,t,hq,hkv,d",
+    [
+        (37, 37, 8, 2, 64),
+        (100, 300, 8, 2, 64),
+        (5, 70, 4, 4, 128),
+        (64, 64, 8, 1, 64),
+        (3, 1000, 6, 2, 64),
+    ],
+)
 def test_prefill_kernel_matches_reference(dtype, nq, t, hq, hkv, d):
     q, k, v = inputs(nq, t, hq, hkv, d, dtype)
-    pos = torch.arange(nq) if nq == t else torch.randint(0, t + 5, (nq,), generator=torch.Generator().manual_seed(1))
+    pos = (
+        torch.arange(nq)
+        if nq == t
+        else torch.randint(0, t + 5, (nq,), generator=torch.Generator().manual_seed(1))
+    )
     assert cpu.prefill_usable(q, k, v)
-    got, ref = cpu.prefill_attention(q, k, v, pos, d ** -0.5), reference(q, k, v, pos, d ** -0.5)
+    got, ref = cpu.prefill_attention(q, k, v, pos, d**-0.5), reference(q, k, v, pos, d**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     if dtype == torch.float32:  # the same math in another order
         torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
     else:  # fp32 math from the bf16 inputs: only the output is rounded (one bf16 step at most)
-        torch.testing.assert_close(got.float(), ref.to(dtype).float(), atol=1e-6, rtol=2 ** -7)
-    assert torch.equal(cpu.prefill_attention(q, k, v, pos, d ** -0.5), got)  # deterministic across threads
+        torch.testing.assert_close(got.float(), ref.to(dtype).float(), atol=1e-6, rtol=2**-7)
+    assert torch.equal(
+        cpu.prefill_attention(q, k, v, pos, d**-0.5), got
+    )  # deterministic across threads
 
 
 @settings(max_examples=40, deadline=None)
-@given(nq=st.integers(1, 40), t=st.integers(1, 140), hkv=st.sampled_from([1, 2, 4]), g=st.sampled_from([1, 2, 3, 4]),
-       d=st.sampled_from([64, 128]), seed=st.integers(0, 2 ** 16))
+@given(
+    nq=st.integers(1, 40),
+    t=st.integers(1, 140),
+    hkv=st.sampled_from([1, 2, 4]),
+    g=st.sampled_from([1, 2, 3, 4]),
+    d=st.sampled_from([64, 128]),
+    seed=st.integers(0, 2**16),
+)
 def test_prefill_kernel_property(nq, t, hkv, g, d, seed):
     q, k, v = inputs(nq, t, hkv * g, hkv, d, torch.float32, seed)
     pos = torch.randint(0, t + 3, (nq,), generator=torch.Generator().manual_seed(seed))
-    torch.testing.assert_close(cpu.prefill_attention(q, k, v, pos, 0.1), reference(q, k, v, pos, 0.1),
-                               atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        cpu.prefill_attention(q, k, v, pos, 0.1), reference(q, k, v, pos, 0.1), atol=2e-6, rtol=1e-5
+    )
 
 
 def test_prefill_kernel_edges_and_bad_input():
     q, k, v = inputs(4, 9, 4, 2, 64, torch.float32)
-    assert torch.equal(cpu.prefill_attention(q, k[:0], v[:0], torch.arange(4), 0.1), torch.zeros(4, 4, 64))
+    assert torch.equal(
+        cpu.prefill_attention(q, k[:0], v[:0], torch.arange(4), 0.1), torch.zeros(4, 4, 64)
+    )
     assert cpu.prefill_attention(q[:0], k, v, torch.arange(0), 0.1).shape == (0, 4, 64)
     with pytest.raises(RuntimeError, match="negative position"):
         cpu.prefill_attention(q, k, v, torch.tensor([0, 1, -1, 2]), 0.1)
@@ -76,7 +103,9 @@ def test_prefill_kernel_edges_and_bad_input():
     with pytest.raises(RuntimeError, match="pos must be"):
         cpu.prefill_attention(q, k, v, torch.arange(3), 0.1)
     odd = torch.randn(4, 4, 80)
-    assert not cpu.prefill_usable(odd, torch.randn(9, 2, 80), torch.randn(9, 2, 80))  # SDPA serves D=80
+    assert not cpu.prefill_usable(
+        odd, torch.randn(9, 2, 80), torch.randn(9, 2, 80)
+    )  # SDPA serves D=80
     assert not cpu.prefill_usable(q.half(), k.half(), v.half())
 
 
@@ -87,7 +116,9 @@ def test_paged_prefill_through_kernel_matches_torch_path():
     kc, vc = (torch.randn(nb, bs, hkv, d, generator=g) for _ in range(2))
     tables = torch.randperm(nb, generator=g)[:24].view(2, 12).int()
     lens = torch.tensor([150, 190], dtype=torch.int32)
-    pos = torch.cat([torch.arange(100, 150), torch.sort(torch.randperm(190, generator=g)[:30]).values]).int()
+    pos = torch.cat(
+        [torch.arange(100, 150), torch.sort(torch.randperm(190, generator=g)[:30]).values]
+    ).int()
     cu = torch.tensor([0, 50, 80], dtype=torch.int32)
     q = torch.randn(80, 8, d, generator=g)
     got = paged_attention(q, kc, vc, tables, lens, cu, pos, 0.125)
@@ -97,9 +128,18 @@ def test_paged_prefill_through_kernel_matches_torch_path():
 
 def hf_checkpoint(path, **over):
     torch.manual_seed(0)
-    cfg = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=256, vocab_size=300, max_position_embeddings=512, eos_token_id=None,
-               bos_token_id=None, pad_token_id=None)
+    cfg = dict(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=300,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     cfg.update(over)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
     model.save_pretrained(path)
@@ -111,20 +151,29 @@ def test_engine_with_prefill_kernel_matches_hf(tmp_path, monkeypatch):
     hf = hf_checkpoint(tmp_path)
     calls = []
     real = cpu.prefill_attention
-    monkeypatch.setattr(cpu, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(
+        cpu, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (70, 130)]
     with torch.no_grad():
-        want = [hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist() for p in prompts]
+        want = [
+            hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
     llm = LLM(tmp_path, dtype="fp32", kv_cache_bytes=1 << 24, max_num_batched_tokens=64)  # chunked
-    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    got = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     assert [o.token_ids for o in got] == want
     assert calls and max(calls) > 1
 
 
 def test_native_matmul_follows_cpu_flags():
     assert native_matmul(torch.float32, torch.device("cpu"))
-    assert native_matmul(torch.bfloat16, torch.device("cpu")) == bool({"avx512_bf16", "amx_bf16"} & cpu.cpu_flags())
+    assert native_matmul(torch.bfloat16, torch.device("cpu")) == bool(
+        {"avx512_bf16", "amx_bf16"} & cpu.cpu_flags()
+    )
     assert native_matmul(torch.bfloat16, torch.device("cuda"))
 
 
@@ -133,8 +182,8 @@ def test_linear_widened_rounds_like_a_bf16_gemm():
     x, w = torch.randn(33, 64, generator=g).bfloat16(), torch.randn(48, 64, generator=g).bfloat16()
     got = linear(x, w.float())
     assert got.dtype == torch.bfloat16
-    exact = (x.double() @ w.double().T)  # bf16 products are exact; only the sum order differs
-    torch.testing.assert_close(got.double(), exact.bfloat16().double(), atol=1e-9, rtol=2 ** -7)
+    exact = x.double() @ w.double().T  # bf16 products are exact; only the sum order differs
+    torch.testing.assert_close(got.double(), exact.bfloat16().double(), atol=1e-9, rtol=2**-7)
 
 
 def test_engine_widened_matmuls_agree_with_bf16(tmp_path):
@@ -147,7 +196,10 @@ def test_engine_widened_matmuls_agree_with_bf16(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     wide = LLM(tmp_path, dtype="bf16", matmul_dtype="float32", kv_cache_bytes=1 << 24)
     model = wide.runner.model
-    assert model.lm_head.weight.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.bfloat16
+    assert (
+        model.lm_head.weight.dtype == torch.float32
+        and model.embed_tokens.weight.dtype == torch.bfloat16
+    )
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     assert model.lm_head.weight.t().is_contiguous()  # stored column-major
     narrow = LLM(tmp_path, dtype="bf16", matmul_dtype="model", kv_cache_bytes=1 << 24)

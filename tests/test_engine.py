@@ -1,4 +1,5 @@
 """Engine API, sampler, stop conditions, bad input, fp8 KV and the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,10 @@ import sys
 import pytest
 import torch
 
+from tests.test_hf_match import save_checkpoint
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.sampler import filter_logits
-from tests.test_hf_match import save_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -19,6 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     path = tmp_path_factory.mktemp("tok")
     save_checkpoint(path, eos_token_id=3)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
@@ -40,25 +42,43 @@ def test_text_prompt_and_tokenizer(llm):
 
 
 def test_stop_tokens_eos_and_max_tokens(llm):
-    free = llm.generate([[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].token_ids
+    free = llm.generate(
+        [[9, 10, 11]],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )[0].token_ids
     stop = free[4]
-    cut = llm.generate([[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop],
-                                                     ignore_eos=True), use_tqdm=False)[0]
-    assert cut.token_ids == free[:free.index(stop) + 1] and cut.outputs[0].finish_reason == "stop"
-    assert llm.generate([[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    cut = llm.generate(
+        [[9, 10, 11]],
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop], ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert cut.token_ids == free[: free.index(stop) + 1] and cut.outputs[0].finish_reason == "stop"
+    assert (
+        llm.generate(
+            [[9, 10, 11]],
+            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .finish_reason
+        == "length"
+    )
     # eos (3 in this checkpoint) stops unless ignore_eos
     llm.scheduler.eos = {stop}
     try:
-        eos = llm.generate([[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
-        assert eos.token_ids == free[:free.index(stop) + 1]
+        eos = llm.generate(
+            [[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+        )[0]
+        assert eos.token_ids == free[: free.index(stop) + 1]
     finally:
         llm.scheduler.eos = {3}
 
 
 def test_seeded_sampling_reproducible_and_filters(llm):
-    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=10, seed=11, ignore_eos=True)
+    sp = SamplingParams(
+        temperature=0.8, top_k=20, top_p=0.9, max_tokens=10, seed=11, ignore_eos=True
+    )
     a = llm.generate([[1, 2, 3], [4, 5]], sp, use_tqdm=False)
     b = llm.generate([[4, 5], [1, 2, 3]], sp, use_tqdm=False)  # batch order does not matter
     assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
@@ -69,7 +89,10 @@ def test_seeded_sampling_reproducible_and_filters(llm):
     assert torch.isinf(filter_logits(logits, 0, 0.5)).tolist() == [True, True, True, False]
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
-        draws = {int(torch.multinomial(filter_logits(logits, 1, 1.0).softmax(-1), 1, generator=g)) for _ in range(20)}
+        draws = {
+            int(torch.multinomial(filter_logits(logits, 1, 1.0).softmax(-1), 1, generator=g))
+            for _ in range(20)
+        }
     assert draws == {3}
 
 
@@ -87,14 +110,27 @@ def test_bad_input_is_refused_and_changes_nothing(llm, ckpt):
     for kw in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(n=0), dict(top_k=-2)):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
-    for kw in (dict(block_size=12), dict(kv_cache_dtype="int4"), dict(dtype="fp64"), dict(kv_cache_bytes=0)):
+    for kw in (
+        dict(block_size=12),
+        dict(kv_cache_dtype="int4"),
+        dict(dtype="fp64"),
+        dict(kv_cache_bytes=0),
+    ):
         with pytest.raises(ValueError):
             EngineConfig(**kw)
     with pytest.raises(ValueError, match="less than one block"):
         LLM(ckpt, dtype="fp32", kv_cache_bytes=100)
     with pytest.raises(ValueError, match="model_type"):
-        ModelConfig.from_dict(dict(model_type="gpt2", hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-                                   intermediate_size=8, vocab_size=8))
+        ModelConfig.from_dict(
+            dict(
+                model_type="gpt2",
+                hidden_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=1,
+                intermediate_size=8,
+                vocab_size=8,
+            )
+        )
 
 
 def test_a_sequence_larger_than_the_cache_fails_clearly(ckpt):
@@ -104,8 +140,14 @@ def test_a_sequence_larger_than_the_cache_fails_clearly(ckpt):
 
 
 def test_random_config_dtypes():
-    cfg = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-               intermediate_size=64, vocab_size=64)
+    cfg = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=64,
+    )
     for dtype in ("fp16", "bf16"):
         e = LLM(cfg, dtype=dtype, kv_cache_bytes=1 << 20)
         assert e.runner.kv_caches[0].dtype == e.dtype
@@ -119,7 +161,11 @@ def test_fp8_kv_agrees_with_bf16_kv(ckpt):
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     bf16 = LLM(ckpt, dtype="bf16", kv_cache_bytes=1 << 22).generate(prompts, sp, use_tqdm=False)
     e8 = LLM(ckpt, dtype="bf16", kv_cache_dtype="fp8", kv_cache_bytes=1 << 22)
-    assert e8.runner.kv_caches[0].dtype == torch.float8_e4m3fn and e8.runner.kv_scales.shape == (2, 2, 2)
+    assert e8.runner.kv_caches[0].dtype == torch.float8_e4m3fn and e8.runner.kv_scales.shape == (
+        2,
+        2,
+        2,
+    )
     fp8 = e8.generate(prompts, sp, use_tqdm=False)
     same = sum(a == b for x, y in zip(bf16, fp8) for a, b in zip(x.token_ids, y.token_ids))
     agreement = same / (32 * len(prompts))
@@ -128,12 +174,38 @@ def test_fp8_kv_agrees_with_bf16_kv(ckpt):
 
 
 def test_cli(ckpt):
-    cmd = [sys.executable, "-m", "tierkv.engine.cli", "generate", "--model", str(ckpt), "--prompt", "w1 w2 w3",
-           "--max-tokens", "4", "--ignore-eos", "--dtype", "fp32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierkv.engine.cli",
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt",
+        "w1 w2 w3",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--dtype",
+        "fp32",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     metrics = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(metrics["token_ids"]) == 4 and metrics["prompt_tokens"] == 3 and "ttft" in metrics
-    bad = subprocess.run([sys.executable, "-m", "tierkv.engine.cli", "generate", "--random-config", "tiny",
-                          "--prompt", "hello"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierkv.engine.cli",
+            "generate",
+            "--random-config",
+            "tiny",
+            "--prompt",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "tokenizer" in bad.stderr

@@ -1,13 +1,14 @@
 """Connector hooks: a test connector that records every call, really saves KV out of the
 blocks (kernels.gather_kv) and loads it into a fresh engine (kernels.scatter_kv)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tierkv.engine import LLM, KVConnector, SamplingParams
-from tierkv.kernels import gather_kv, scatter_kv
 from tests.test_hf_match import GREEDY, save_checkpoint
+from tierkv.engine import LLM, KVConnector
+from tierkv.kernels import gather_kv, scatter_kv
 
 BS = 16
 
@@ -25,7 +26,7 @@ class RecordingConnector(KVConnector):
         self.failed: set[int] = set()
 
     def _best(self, tokens: list[int]) -> tuple[int, ...] | None:
-        keys = [k for k in self.store if tuple(tokens[:len(k)]) == k]
+        keys = [k for k in self.store if tuple(tokens[: len(k)]) == k]
         return max(keys, key=len, default=None)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -37,7 +38,9 @@ class RecordingConnector(KVConnector):
         self.calls.append(("alloc", request.request_id, num_external_tokens))
         assert len(block_ids) * BS >= request.num_computed_tokens + num_external_tokens
         if num_external_tokens:
-            self.pending.append((request, list(block_ids), request.num_computed_tokens, num_external_tokens))
+            self.pending.append(
+                (request, list(block_ids), request.num_computed_tokens, num_external_tokens)
+            )
 
     def build_connector_meta(self, scheduler_output):
         self.calls.append(("meta", len(scheduler_output.seqs)))
@@ -47,7 +50,9 @@ class RecordingConnector(KVConnector):
     def request_finished(self, request, block_ids):
         self.calls.append(("finished", request.request_id))
         n = request.num_prompt_tokens  # save the prompt's KV (all computed by now)
-        seg = torch.empty(len(self.caches), 2, n, *self.caches[0].shape[3:], dtype=self.caches[0].dtype)
+        seg = torch.empty(
+            len(self.caches), 2, n, *self.caches[0].shape[3:], dtype=self.caches[0].dtype
+        )
         ids = torch.tensor(block_ids)
         for layer, cache in enumerate(self.caches):
             gather_kv(cache[0], cache[1], ids, 0, n, seg[layer])
@@ -67,11 +72,19 @@ class RecordingConnector(KVConnector):
         self.calls.append(("wait_load", layer))
         for seq, block_ids, start, count in self.meta:
             key = self._best(seq.token_ids)
-            src = self.store[key][layer, :, start:start + count]
-            scatter_kv(src.contiguous(), self.caches[layer][0], self.caches[layer][1], torch.tensor(block_ids), start)
+            src = self.store[key][layer, :, start : start + count]
+            scatter_kv(
+                src.contiguous(),
+                self.caches[layer][0],
+                self.caches[layer][1],
+                torch.tensor(block_ids),
+                start,
+            )
             self.loaded[seq.request_id] = count
             if self.fail_first_load and layer == 0:
-                bad = block_ids[(start + count - 1) // BS]  # the last loaded block: poison and report it
+                bad = block_ids[
+                    (start + count - 1) // BS
+                ]  # the last loaded block: poison and report it
                 self.caches[layer][:, bad] = 1e4
                 self.failed.add(bad)
                 self.fail_first_load = False
@@ -121,7 +134,7 @@ def check_order(calls: list[tuple], layers: int) -> None:
     for st in steps:
         names = [c[0] for c in st]
         assert names[1] == "start_load"
-        body = st[2:2 + 2 * layers]
+        body = st[2 : 2 + 2 * layers]
         assert body == [x for i in range(layers) for x in (("wait_load", i), ("save", i))]
         assert names[2 + 2 * layers] == "wait_save"
         assert names[3 + 2 * layers] == "get_finished"
@@ -139,7 +152,9 @@ def test_hooks_order_save_and_load_into_a_fresh_engine(ckpt):
     assert len(llm.blocks.free) + llm.blocks.tree.num_blocks == llm.runner.num_blocks
 
     second = RecordingConnector(store)
-    fresh = LLM(ckpt, dtype="fp32", kv_cache_bytes=1 << 22, kv_connector=second, enable_prefix_caching=False)
+    fresh = LLM(
+        ckpt, dtype="fp32", kv_cache_bytes=1 << 22, kv_connector=second, enable_prefix_caching=False
+    )
     outs = fresh.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     for o, p in zip(outs, prompts()):
@@ -155,10 +170,15 @@ def test_failed_load_is_recomputed(ckpt):
     llm = LLM(ckpt, dtype="fp32", kv_cache_bytes=1 << 22, kv_connector=RecordingConnector(store))
     ref = llm.generate(prompts(), GREEDY, use_tqdm=False)
     conn = RecordingConnector(store, fail_first_load=True)
-    fresh = LLM(ckpt, dtype="fp32", kv_cache_bytes=1 << 22, kv_connector=conn, enable_prefix_caching=False)
+    fresh = LLM(
+        ckpt, dtype="fp32", kv_cache_bytes=1 << 22, kv_connector=conn, enable_prefix_caching=False
+    )
     outs = fresh.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     # prompt 0 (40 tokens): 39 loaded into blocks 0-2, block 2 failed: its step (1 token) is wasted and
     # tokens 32..39 recomputed
-    assert outs[0].metrics.external_tokens == 32 and outs[0].metrics.computed_tokens == 1 + (40 - 32) + 31
+    assert (
+        outs[0].metrics.external_tokens == 32
+        and outs[0].metrics.computed_tokens == 1 + (40 - 32) + 31
+    )
     fresh.check_integrity()

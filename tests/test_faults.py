@@ -3,6 +3,7 @@ stream of puts, a client reconnecting after a long outage, a disk that refuses w
 tmpfs mount that fills up, then is remounted read-only), and slow tiers against the
 engine's deadlines. (tests/test_server.py and tests/test_remote_tier.py already cover a
 single SIGTERM with two streams and a dead server; these add load and the restart checks.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,27 +16,30 @@ import grpc
 import pytest
 import torch
 
+from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.frames import put_frames
-from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
-from tests.services import ServerProcess
 
 
 def segment(seed: int, tokens: int = 64) -> KVSegment:
     kv = torch.randn(4, 2, tokens, 2, 32, generator=torch.Generator().manual_seed(seed)).half()
-    return KVSegment.from_tensor(kv, key=seed.to_bytes(16, "little"), tokens=range(tokens), fingerprint=b"faults")
+    return KVSegment.from_tensor(
+        kv, key=seed.to_bytes(16, "little"), tokens=range(tokens), fingerprint=b"faults"
+    )
 
 
 def disk_files(server: ServerProcess) -> list[Path]:
     return [p for p in (server.cache_dir / "disk").rglob("*") if p.is_file()]
 
 
-def putter(server: ServerProcess, seeds: range, acked: dict, stop: threading.Event, stall: bool) -> None:
+def putter(
+    server: ServerProcess, seeds: range, acked: dict, stop: threading.Event, stall: bool
+) -> None:
     """Put segments one after another; with stall, each stream pauses halfway (so a kill
     lands mid-stream). acked[seed] is True (stored) or the status code of a failure."""
     with grpc.insecure_channel(server.target) as ch:
@@ -47,10 +51,11 @@ def putter(server: ServerProcess, seeds: range, acked: dict, stop: threading.Eve
             frames = list(put_frames(s.key, s, 16 << 10))
 
             def gen():
-                yield from frames[:len(frames) // 2]
+                yield from frames[: len(frames) // 2]
                 if stall:
                     time.sleep(0.2)
-                yield from frames[len(frames) // 2:]
+                yield from frames[len(frames) // 2 :]
+
             try:
                 acked[seed] = stub.Put(gen(), timeout=10).stored
             except grpc.RpcError as e:
@@ -63,8 +68,14 @@ def test_server_killed_during_puts_restarts_clean(kill: bool) -> None:
     server = ServerProcess(args=["--grace-s", "2"]).start()
     acked: dict[int, object] = {}
     stop = threading.Event()
-    threads = [threading.Thread(target=putter, args=(server, range(i * 1000, i * 1000 + 400), acked, stop, i % 2),
-                                daemon=True) for i in range(4)]
+    threads = [
+        threading.Thread(
+            target=putter,
+            args=(server, range(i * 1000, i * 1000 + 400), acked, stop, i % 2),
+            daemon=True,
+        )
+        for i in range(4)
+    ]
     try:
         for t in threads:
             t.start()
@@ -87,8 +98,10 @@ def test_server_killed_during_puts_restarts_clean(kill: bool) -> None:
         assert not short.exists()
         assert len(acked) > 8 and any(v is True for v in acked.values())
         if not kill:  # graceful: in-flight streams finished (stored) or were refused whole
-            assert all(v is True or v in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
-                       for v in acked.values()), set(map(str, acked.values()))
+            assert all(
+                v is True or v in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+                for v in acked.values()
+            ), set(map(str, acked.values()))
         asyncio.run(_served_verify(server, sorted(acked), on_disk))
     finally:
         stop.set()
@@ -144,7 +157,9 @@ def small_fs(tmp_path: Path):
 
 async def test_disk_full_then_read_only(small_fs: Path) -> None:
     cpu = CpuTier(CpuTierConfig(capacity_bytes="16MiB"))
-    disk = DiskTier(DiskTierConfig(root=small_fs, capacity_bytes="64MiB"))  # more than the filesystem
+    disk = DiskTier(
+        DiskTierConfig(root=small_fs, capacity_bytes="64MiB")
+    )  # more than the filesystem
     store = TieredStore([cpu, disk])
     segs = [segment(i) for i in range(20)]  # 64 KiB each: 1 MiB holds about 15
     for s in segs:
@@ -186,8 +201,8 @@ class SlowTier(CpuTier):
 
 
 def test_slow_lookup_and_save_do_not_hold_the_engine() -> None:
-    from tierkv.connector import ConnectorConfig, TierKVConnector
     from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
+    from tierkv.connector import ConnectorConfig, TierKVConnector
 
     cold = engine().generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids
     tier = SlowTier(CpuTierConfig(capacity_bytes="16MiB"))
@@ -208,13 +223,18 @@ def test_hung_cache_server_does_not_hold_the_engine() -> None:
     """A real server process, SIGSTOPped: it accepts connections and answers nothing."""
     import signal
 
-    from tierkv.connector import ConnectorConfig, TierKVConnector
     from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
+    from tierkv.connector import ConnectorConfig, TierKVConnector
 
     cold = engine().generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids
     server = ServerProcess().start()
-    cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=f"grpc://{server.target}", lookup_timeout_s=0.5,
-                          load_timeout_s=0.5)
+    cfg = ConnectorConfig(
+        chunk_size=CHUNK,
+        cpu_bytes=0,
+        remote=f"grpc://{server.target}",
+        lookup_timeout_s=0.5,
+        load_timeout_s=0.5,
+    )
     writer = TierKVConnector(cfg)
     try:
         engine(writer).generate([PROMPT], GREEDY, use_tqdm=False)

@@ -1,4 +1,5 @@
 """The engine against Hugging Face transformers on the same random checkpoint (fp32)."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 def save_checkpoint(path: Path, kind: str = "llama", **over) -> torch.nn.Module:
     torch.manual_seed(0)
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512,
-                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     common.update(over)
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
@@ -50,8 +60,10 @@ def prompts():
 def hf_tokens(ckpt, prompts):
     _, hf = ckpt
     with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
 
 
 def all_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -61,16 +73,30 @@ def all_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     out = SchedulerOutput([seq], [len(prompt)])
     h = llm.runner.forward(out)
     llm.blocks.free_seq(seq)
-    return llm.runner.model.logits(h[:len(prompt)])  # rows past the prompt are padding
+    return llm.runner.model.logits(h[: len(prompt)])  # rows past the prompt are padding
 
 
-@pytest.mark.parametrize("kind,over", [
-    ("llama", {}),
-    ("llama", dict(tie_word_embeddings=True, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-        high_freq_factor=4.0, original_max_position_embeddings=64))),
-    ("qwen2", dict(tie_word_embeddings=True)),
-])
+@pytest.mark.parametrize(
+    "kind,over",
+    [
+        ("llama", {}),
+        (
+            "llama",
+            dict(
+                tie_word_embeddings=True,
+                rope_parameters=dict(
+                    rope_type="llama3",
+                    rope_theta=500000.0,
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=64,
+                ),
+            ),
+        ),
+        ("qwen2", dict(tie_word_embeddings=True)),
+    ],
+)
 def test_prefill_logits_match(tmp_path, kind, over, prompts):
     hf = save_checkpoint(tmp_path, kind, **over)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1, "checkpoint should be sharded"
@@ -87,7 +113,10 @@ def test_greedy_alone_and_batched(ckpt, prompts, hf_tokens):
         assert llm.generate([prompts[i]], GREEDY, use_tqdm=False)[0].token_ids == hf_tokens[i]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_tokens
-    assert all(o.metrics.prompt_tokens == len(p) and o.metrics.cached_tokens == 0 for o, p in zip(outs, prompts))
+    assert all(
+        o.metrics.prompt_tokens == len(p) and o.metrics.cached_tokens == 0
+        for o, p in zip(outs, prompts)
+    )
     llm.check_integrity()
 
 
@@ -96,7 +125,10 @@ def test_prefix_cache_hits_same_tokens(ckpt, prompts):
     shared = prompts[4][:40]
     batch = [shared + p[:9] for p in prompts]
     with torch.no_grad():
-        refs = [hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist() for p in batch]
+        refs = [
+            hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p) :].tolist()
+            for p in batch
+        ]
     llm = LLM(ckpt[0], dtype="fp32", kv_cache_bytes=1 << 22)
     first = llm.generate(batch[:1], GREEDY, use_tqdm=False)[0]
     assert first.token_ids == refs[0] and first.metrics.cached_tokens == 0
@@ -124,7 +156,9 @@ def test_preemption_by_recompute(ckpt, prompts, hf_tokens):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_tokens
     assert sum(o.metrics.preemptions for o in outs) > 0
-    assert sum(o.metrics.computed_tokens for o in outs) > sum(len(p) + 31 for p in prompts)  # recomputed
+    assert sum(o.metrics.computed_tokens for o in outs) > sum(
+        len(p) + 31 for p in prompts
+    )  # recomputed
     llm.check_integrity()
 
 
@@ -140,7 +174,9 @@ def test_parallel_sampling_copy_on_write(ckpt, prompts, hf_tokens):
     sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, n=3, seed=7)
     a = llm.generate(prompts[:2], sp, use_tqdm=False)
     b = llm.generate(prompts[:2], sp, use_tqdm=False)
-    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    assert [[c.token_ids for c in o.outputs] for o in a] == [
+        [c.token_ids for c in o.outputs] for o in b
+    ]
     assert len({tuple(c.token_ids) for c in a[1].outputs}) > 1
 
 
@@ -159,10 +195,17 @@ def test_triton_interpreter_matches_torch_path(ckpt, prompts):
     # fp32 only: under the interpreter a bf16 tl.dot gives garbage.
     small = [p[:n] for p, n in zip(prompts[1:4], (17, 9, 30))]  # chunked (budget 24), decode, mixed
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(ckpt[0]), json.dumps(small)],
-                         env=env, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, str(ckpt[0]), json.dumps(small)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     triton_tokens = json.loads(res.stdout.strip().splitlines()[-1])
     llm = LLM(ckpt[0], dtype="fp32", kv_cache_bytes=1 << 20, max_num_batched_tokens=24)
-    outs = llm.generate(small, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        small, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert triton_tokens == [o.token_ids for o in outs]

@@ -3,25 +3,25 @@ UNAUTHENTICATED without a valid token and one put/get pair per namespace; here t
 run random op sequences on the same keys through every tier (cpu, disk, redis) and a
 restart, the connector shares nothing across tokens, TLS refuses plaintext and foreign
 CAs, and the Redis tier works over rediss:// against a TLS-only redis-server."""
-from __future__ import annotations
 
-import random
+from __future__ import annotations
 
 import grpc
 import pytest
 import redis
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from tests.services import RedisProcess, ServerProcess, TlsRedisProcess
+from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
+from tests.test_server_auth import self_signed
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment
-from tests.services import RedisProcess, ServerProcess, TlsRedisProcess
-from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
-from tests.test_server_auth import self_signed
 
 TOKENS = {"a": "token-tenant-a-01", "b": "token-tenant-b-02"}
 NS = {"a": "tenant-a", "b": "tenant-b"}
@@ -30,7 +30,9 @@ NS = {"a": "tenant-a", "b": "tenant-b"}
 def segment(seed: int, tenant: str) -> KVSegment:
     """The same key for both tenants, different KV."""
     kv = torch.full((2, 2, 8, 2, 8), float(seed) + (0.5 if tenant == "b" else 0.0)).half()
-    return KVSegment.from_tensor(kv, key=seed.to_bytes(16, "little"), tokens=range(8), fingerprint=b"iso")
+    return KVSegment.from_tensor(
+        kv, key=seed.to_bytes(16, "little"), tokens=range(8), fingerprint=b"iso"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,20 @@ def auth_server(tmp_path_factory):
     r = RedisProcess().start()
     cert, key = self_signed(tmp_path_factory.mktemp("tls"))
     tokens = ",".join(f"{TOKENS[t]}={NS[t]}" for t in TOKENS)
-    s = ServerProcess(args=["--tokens", tokens, "--redis-url", r.url, "--tls-cert", str(cert), "--tls-key", str(key),
-                            "--cpu-bytes", "1MiB"]).start()  # a small cpu tier: entries move to disk
+    s = ServerProcess(
+        args=[
+            "--tokens",
+            tokens,
+            "--redis-url",
+            r.url,
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--cpu-bytes",
+            "1MiB",
+        ]
+    ).start()  # a small cpu tier: entries move to disk
     s.cert, s.redis = cert, r
     yield s
     s.stop(kill=True)
@@ -47,11 +61,20 @@ def auth_server(tmp_path_factory):
 
 
 def client(server, tenant: str) -> RemoteTier:
-    return RemoteTier(target=server.target, token=TOKENS[tenant], tls_ca=str(server.cert), retries=3, timeout_s=10)
+    return RemoteTier(
+        target=server.target, token=TOKENS[tenant], tls_ca=str(server.cert), retries=3, timeout_s=10
+    )
 
 
-ops = st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from(["put", "get", "delete", "lookup"]),
-                         st.integers(0, 5)), min_size=5, max_size=25)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from("ab"),
+        st.sampled_from(["put", "get", "delete", "lookup"]),
+        st.integers(0, 5),
+    ),
+    min_size=5,
+    max_size=25,
+)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -98,10 +121,14 @@ async def test_namespaces_survive_restart_and_redis(auth_server) -> None:
             assert await a.put(s.key, s)
         auth_server.restart()  # SIGTERM drains to disk and redis; the cpu tier starts empty
         assert await b.contains([s.key for s in segs]) == [False] * 4
-        assert all([await b.get(s.key) is None for s in segs]) and not any([await b.delete(s.key) for s in segs])
+        assert all([await b.get(s.key) is None for s in segs]) and not any(
+            [await b.delete(s.key) for s in segs]
+        )
         r = redis.Redis(port=auth_server.redis.port)
         for s in segs:
-            assert r.exists(f"tierkv:{NS['a']}:{s.key.hex()}") and not r.exists(f"tierkv:{NS['b']}:{s.key.hex()}")
+            assert r.exists(f"tierkv:{NS['a']}:{s.key.hex()}") and not r.exists(
+                f"tierkv:{NS['b']}:{s.key.hex()}"
+            )
         for s in segs:  # a still has every one, from disk
             assert torch.equal((await a.get(s.key)).payload, s.payload)
     finally:
@@ -110,10 +137,17 @@ async def test_namespaces_survive_restart_and_redis(auth_server) -> None:
 
 
 def test_connector_tenants_share_nothing(auth_server) -> None:
-    cfg = dict(chunk_size=CHUNK, cpu_bytes=0, remote=f"grpcs://{auth_server.target}", tls_ca=str(auth_server.cert))
+    cfg = dict(
+        chunk_size=CHUNK,
+        cpu_bytes=0,
+        remote=f"grpcs://{auth_server.target}",
+        tls_ca=str(auth_server.cert),
+    )
     a = TierKVConnector(ConnectorConfig(token=TOKENS["a"], namespace=NS["a"], **cfg))
     b = TierKVConnector(ConnectorConfig(token=TOKENS["b"], namespace=NS["b"], **cfg))
-    b_as_a = TierKVConnector(ConnectorConfig(token=TOKENS["b"], namespace=NS["a"], **cfg))  # a's salt, b's token
+    b_as_a = TierKVConnector(
+        ConnectorConfig(token=TOKENS["b"], namespace=NS["a"], **cfg)
+    )  # a's salt, b's token
     try:
         for conn in (a, b):
             engine(conn).generate([PROMPT], GREEDY, use_tqdm=False)
@@ -121,7 +155,10 @@ def test_connector_tenants_share_nothing(auth_server) -> None:
         assert a.stats.saved_chunks == b.stats.saved_chunks == 5  # two independent copies
         out = engine(b_as_a).generate([PROMPT], GREEDY, use_tqdm=False)[0]
         assert out.metrics.external_tokens == 0  # the token decides the namespace, not the salt
-        assert engine(a).generate([PROMPT], GREEDY, use_tqdm=False)[0].metrics.external_tokens == 5 * CHUNK
+        assert (
+            engine(a).generate([PROMPT], GREEDY, use_tqdm=False)[0].metrics.external_tokens
+            == 5 * CHUNK
+        )
     finally:
         for c in (a, b, b_as_a):
             c.close()
@@ -135,11 +172,15 @@ def test_tls_refuses_plaintext_and_foreign_ca(auth_server, tmp_path) -> None:
             pb_grpc.TierKVStub(ch).Lookup(req, metadata=md, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     other_ca, _ = self_signed(tmp_path)  # a valid certificate, but not the server's
-    with grpc.secure_channel(auth_server.target, grpc.ssl_channel_credentials(other_ca.read_bytes())) as ch:
+    with grpc.secure_channel(
+        auth_server.target, grpc.ssl_channel_credentials(other_ca.read_bytes())
+    ) as ch:
         with pytest.raises(grpc.RpcError) as e:
             pb_grpc.TierKVStub(ch).Lookup(req, metadata=md, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    with grpc.secure_channel(auth_server.target, grpc.ssl_channel_credentials(auth_server.cert.read_bytes())) as ch:
+    with grpc.secure_channel(
+        auth_server.target, grpc.ssl_channel_credentials(auth_server.cert.read_bytes())
+    ) as ch:
         assert list(pb_grpc.TierKVStub(ch).Lookup(req, metadata=md, timeout=5).present) == [False]
 
 
@@ -153,7 +194,9 @@ async def test_redis_tier_over_tls(tmp_path) -> None:
         assert [c.layer async for c in tier.get_layers(s.key)] == [0, 1]
         await tier.close()
         plain = RedisTier(RedisTierConfig(url=f"redis://127.0.0.1:{r.port}/0", timeout_s=0.5))
-        assert await plain.get(s.key) is None and plain.stats().errors >= 1  # plaintext: a miss, no exception
+        assert (
+            await plain.get(s.key) is None and plain.stats().errors >= 1
+        )  # plaintext: a miss, no exception
         await plain.close()
         server = ServerProcess(args=["--redis-url", r.url, "--disk-bytes", "0"]).start()
         try:

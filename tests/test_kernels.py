@@ -1,17 +1,32 @@
 """The torch references of kernels/, proven against independent dense implementations:
 paged attention vs per-sequence gathered KV + scaled_dot_product_attention, gather /
 scatter vs per-token copies. RoPE and fp8: test_kernels_rope_fp8.py."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tierkv.kernels import (FP8, dequantize_fp8, fp8_scales, gather_kv, gather_kv_layers, paged_attention,
-                     paged_attention_ref, quantize_fp8, scatter_kv, scatter_kv_layers, use_triton, write_kv)
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
+from tierkv.kernels import (
+    FP8,
+    dequantize_fp8,
+    fp8_scales,
+    gather_kv,
+    gather_kv_layers,
+    paged_attention,
+    paged_attention_ref,
+    quantize_fp8,
+    scatter_kv,
+    scatter_kv_layers,
+    use_triton,
+    write_kv,
+)
+
 
 @pytest.fixture(autouse=True)
 def _torch_path(monkeypatch):
@@ -19,33 +34,65 @@ def _torch_path(monkeypatch):
 
 
 def run_ref(b: Batch) -> torch.Tensor:
-    return paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-                               b.q_positions, b.scale, b.k_scale, b.v_scale)
+    return paged_attention_ref(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.cu_seqlens_q,
+        b.q_positions,
+        b.scale,
+        b.k_scale,
+        b.v_scale,
+    )
 
 
 def tol(dtype: torch.dtype) -> dict:
-    return {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
-            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
+    return {
+        torch.float32: dict(atol=2e-5, rtol=1e-4),
+        torch.float16: dict(atol=2e-3, rtol=2e-3),
+        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+    }[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 64), (8, 1, 128), (6, 2, 64)])
 def test_reference_matches_dense(dtype, hq, hkv, d):
-    b = make_batch(seed=hq * 7 + d, hq=hq, hkv=hkv, d=d, dtype=dtype,
-                   seqs=[(0, 0), (1, 1), (37, 37), (150, 1), (70, 20), (33, 0), (90, "sparse")])
+    b = make_batch(
+        seed=hq * 7 + d,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dtype=dtype,
+        seqs=[(0, 0), (1, 1), (37, 37), (150, 1), (70, 20), (33, 0), (90, "sparse")],
+    )
     torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(dtype))
 
 
 def test_reference_fp8_kv_matches_dense():
-    b = make_batch(seed=3, hq=8, hkv=2, d=64, dtype=torch.bfloat16, fp8=True,
-                   seqs=[(40, 40), (17, 1), (100, "sparse"), (0, 0)])
+    b = make_batch(
+        seed=3,
+        hq=8,
+        hkv=2,
+        d=64,
+        dtype=torch.bfloat16,
+        fp8=True,
+        seqs=[(40, 40), (17, 1), (100, "sparse"), (0, 0)],
+    )
     torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(torch.bfloat16))
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 80), st.sampled_from([0, 1, 3, "all", "sparse"])),
-                min_size=1, max_size=6),
-       st.sampled_from([(2, 2), (4, 1), (8, 1)]), st.integers(0, 2**16))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 80), st.sampled_from([0, 1, 3, "all", "sparse"])),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([(2, 2), (4, 1), (8, 1)]),
+    st.integers(0, 2**16),
+)
 def test_reference_property(seqs, heads, seed):
     b = make_batch(seed=seed, hq=heads[0], hkv=heads[1], d=64, dtype=torch.float32, seqs=seqs)
     torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(torch.float32))
@@ -56,10 +103,17 @@ def test_reference_query_chunks(monkeypatch, chunk):
     # Masked prefills run in row chunks, each over keys up to its highest position: shuffled
     # sparse rows, a chunked prefill over a cached prefix, chunks that end mid-block or hold one row.
     import tierkv.kernels.ref_attention as ref
+
     monkeypatch.setattr(ref, "CHUNK", chunk)
     ref._WS.plans.clear()
-    b = make_batch(seed=11, hq=8, hkv=2, d=64, dtype=torch.float32,
-                   seqs=[(400, "sparse"), (300, 130), (65, 65), (29, [28, 0, 3]), (5, 1)])
+    b = make_batch(
+        seed=11,
+        hq=8,
+        hkv=2,
+        d=64,
+        dtype=torch.float32,
+        seqs=[(400, "sparse"), (300, 130), (65, 65), (29, [28, 0, 3]), (5, 1)],
+    )
     torch.testing.assert_close(run_ref(b), dense_attention(b), **tol(torch.float32))
 
 
@@ -70,7 +124,7 @@ def test_causal_by_position():
     base = run_ref(b)
     p = int(b.q_positions[0])
     slots = b.slots_of(0)
-    b.k_cache.view(-1, 2, 64)[slots[p + 1:]] += 5.0
+    b.k_cache.view(-1, 2, 64)[slots[p + 1 :]] += 5.0
     torch.testing.assert_close(run_ref(b)[0], base[0])
     b.k_cache.view(-1, 2, 64)[slots[p]] += 5.0
     assert not torch.allclose(run_ref(b)[0], base[0])
@@ -81,19 +135,41 @@ def test_bad_attention_input_is_an_error():
     bt = b.block_tables.clone()
     bt[0, 0] = b.k_cache.shape[0]
     with pytest.raises(ValueError, match="outside the cache"):
-        paged_attention_ref(b.q, b.k_cache, b.v_cache, bt, b.seq_lens, b.cu_seqlens_q, b.q_positions, b.scale)
+        paged_attention_ref(
+            b.q, b.k_cache, b.v_cache, bt, b.seq_lens, b.cu_seqlens_q, b.q_positions, b.scale
+        )
     with pytest.raises(ValueError, match="multiple"):
-        paged_attention_ref(b.q[:, :3], b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-                            b.q_positions, b.scale)
+        paged_attention_ref(
+            b.q[:, :3],
+            b.k_cache,
+            b.v_cache,
+            b.block_tables,
+            b.seq_lens,
+            b.cu_seqlens_q,
+            b.q_positions,
+            b.scale,
+        )
     with pytest.raises(ValueError, match="fp8"):
-        paged_attention_ref(b.q, b.k_cache.to(FP8), b.v_cache.to(FP8), b.block_tables, b.seq_lens,
-                            b.cu_seqlens_q, b.q_positions, b.scale)
+        paged_attention_ref(
+            b.q,
+            b.k_cache.to(FP8),
+            b.v_cache.to(FP8),
+            b.block_tables,
+            b.seq_lens,
+            b.cu_seqlens_q,
+            b.q_positions,
+            b.scale,
+        )
 
 
 def test_reference_is_thread_safe():
     # The gather workspace is per thread: concurrent decodes must not see each other's KV.
-    batches = [make_batch(seed=s, hq=8, hkv=2, d=64, dtype=torch.float32,
-                          seqs=[(60 + s, 1), (30, 1), (90, 1)]) for s in range(4)]
+    batches = [
+        make_batch(
+            seed=s, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(60 + s, 1), (30, 1), (90, 1)]
+        )
+        for s in range(4)
+    ]
     want = [run_ref(b) for b in batches]
     got: dict[int, list[torch.Tensor]] = {}
 
@@ -117,11 +193,23 @@ def test_dispatch(monkeypatch):
     assert use_triton(x)
     b = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(5, 5)])
     monkeypatch.delenv("TRITON_INTERPRET")
-    torch.testing.assert_close(paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
-                                               b.cu_seqlens_q, b.q_positions, b.scale), run_ref(b))
+    torch.testing.assert_close(
+        paged_attention(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            b.block_tables,
+            b.seq_lens,
+            b.cu_seqlens_q,
+            b.q_positions,
+            b.scale,
+        ),
+        run_ref(b),
+    )
 
 
 # --- KV write, gather, scatter ------------------------------------------------------------
+
 
 def cache_pair(nb, bs, h, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
@@ -155,22 +243,30 @@ def test_write_kv_fp8_quantizes():
     sc = torch.tensor([0.01, 0.02])
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     write_kv(k, v, kc, vc, torch.tensor([0, 7, 9]), sc, sc * 2)
-    assert torch.equal(kc.view(-1, 2, 16)[7].view(torch.uint8), quantize_fp8(k[1], sc).view(torch.uint8))
-    assert torch.equal(vc.view(-1, 2, 16)[9].view(torch.uint8), quantize_fp8(v[2], sc * 2).view(torch.uint8))
+    assert torch.equal(
+        kc.view(-1, 2, 16)[7].view(torch.uint8), quantize_fp8(k[1], sc).view(torch.uint8)
+    )
+    assert torch.equal(
+        vc.view(-1, 2, 16)[9].view(torch.uint8), quantize_fp8(v[2], sc * 2).view(torch.uint8)
+    )
     with pytest.raises(ValueError, match="scale"):
         write_kv(k, v, kc, vc, torch.tensor([0, 1, 2]))
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 40), st.integers(0, 60), st.sampled_from([torch.float32, torch.bfloat16, FP8]),
-       st.integers(0, 2**16))
+@given(
+    st.integers(0, 40),
+    st.integers(0, 60),
+    st.sampled_from([torch.float32, torch.bfloat16, FP8]),
+    st.integers(0, 2**16),
+)
 def test_gather_scatter_property(start, length, dtype, seed):
     nb, bs, h, d = 12, 8, 2, 16
     kc, vc, sc = cache_pair(nb, bs, h, d, dtype, seed)
     nblk = -(-(start + length) // bs)
     if nblk > nb:
         return
-    bids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[:max(nblk, 1)].int()
+    bids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[: max(nblk, 1)].int()
     ks, vs = (sc[0], sc[1]) if sc is not None else (None, None)
     out = torch.empty(2, length, h, d, dtype=dtype)
     out_sc = torch.zeros(2, h) if dtype == FP8 else None
@@ -184,7 +280,9 @@ def test_gather_scatter_property(start, length, dtype, seed):
     bids2 = bids.flip(0).contiguous()
     scatter_kv(out, kc2, vc2, bids2, start, ks, vs, out_sc)
     back = torch.empty_like(out)
-    gather_kv(kc2, vc2, bids2, start, length, back, ks, vs, torch.zeros(2, h) if dtype == FP8 else None)
+    gather_kv(
+        kc2, vc2, bids2, start, length, back, ks, vs, torch.zeros(2, h) if dtype == FP8 else None
+    )
     assert torch.equal(back.view(torch.uint8), out.view(torch.uint8))
 
 
@@ -197,7 +295,9 @@ def test_bf16_cache_to_fp8_segment_and_back():
     exact = torch.empty(2, 40, 2, 64, dtype=torch.bfloat16)
     gather_kv(kc, vc, bids, 3, 40, exact)
     torch.testing.assert_close(seg_sc, fp8_scales(exact.float(), 0, 2))
-    torch.testing.assert_close(dequantize_fp8(seg[0], seg_sc[0]), exact[0].float(), atol=0.02, rtol=2**-4)
+    torch.testing.assert_close(
+        dequantize_fp8(seg[0], seg_sc[0]), exact[0].float(), atol=0.02, rtol=2**-4
+    )
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
     scatter_kv(seg, kc2, vc2, bids, 3, src_scales=seg_sc)
     back = torch.empty_like(exact)
@@ -223,7 +323,13 @@ def test_gather_scatter_layers_and_errors():
     with pytest.raises(ValueError, match="exceed"):
         scatter_kv_layers(torch.ones(3, 2, 20, 2, 8), fresh, bids, 2)
     with pytest.raises(ValueError, match="outside"):
-        scatter_kv(torch.ones(2, 4, 2, 8), fresh[0][0], fresh[0][1], torch.tensor([9], dtype=torch.int32), 0)
+        scatter_kv(
+            torch.ones(2, 4, 2, 8),
+            fresh[0][0],
+            fresh[0][1],
+            torch.tensor([9], dtype=torch.int32),
+            0,
+        )
     with pytest.raises(ValueError, match="segment"):
         gather_kv_layers(layers, bids, 0, 4, torch.empty(2, 2, 4, 2, 8))
     assert all(torch.equal(a, b) for a, b in zip(fresh, snapshot))

@@ -1,6 +1,7 @@
 """Randomized paged-attention batches for the kernel tests, and an independent dense
 attention over them (per-token block walk + scaled_dot_product_attention with an
 explicit position mask). No tests here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,9 +50,16 @@ def _queries(n_keys: int, spec: int | str | list[int], g: torch.Generator) -> li
     return list(range(n_keys - n, n_keys))
 
 
-def make_batch(seed: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
-               seqs: list[tuple[int, int | str | list[int]]], fp8: bool = False,
-               cache_dtype: torch.dtype | None = None) -> Batch:
+def make_batch(
+    seed: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    seqs: list[tuple[int, int | str | list[int]]],
+    fp8: bool = False,
+    cache_dtype: torch.dtype | None = None,
+) -> Batch:
     """seqs: (number of keys in the cache, queries: n = the last n positions, "all",
     "sparse" = a shuffled random subset, or a list of positions). Blocks come shuffled out
     of a larger pool."""
@@ -60,12 +68,12 @@ def make_batch(seed: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
     pool = torch.randperm(sum(need) + 7, generator=g).tolist()
     blocks, at = [], 0
     for n in need:
-        blocks.append(pool[at:at + n])
+        blocks.append(pool[at : at + n])
         at += n
     width = max(max(need), 1) + 1
     bt = torch.full((len(seqs), width), PAD, dtype=torch.int32)
     for i, blk in enumerate(blocks):
-        bt[i, :len(blk)] = torch.tensor(blk, dtype=torch.int32)
+        bt[i, : len(blk)] = torch.tensor(blk, dtype=torch.int32)
     nb = len(pool)
     k = torch.randn(nb, BLOCK, hkv, d, generator=g)
     v = torch.randn(nb, BLOCK, hkv, d, generator=g)
@@ -80,13 +88,25 @@ def make_batch(seed: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = counts.cumsum(0)
     nq = int(cu[-1])
-    return Batch(q=torch.randn(nq, hq, d, generator=g).to(dtype), k_cache=k, v_cache=v, block_tables=bt,
-                 seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32), cu_seqlens_q=cu,
-                 q_positions=torch.tensor(sum(positions, []), dtype=torch.int32), scale=d ** -0.5,
-                 k_scale=k_scale, v_scale=v_scale, blocks=blocks, positions=positions)
+    return Batch(
+        q=torch.randn(nq, hq, d, generator=g).to(dtype),
+        k_cache=k,
+        v_cache=v,
+        block_tables=bt,
+        seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32),
+        cu_seqlens_q=cu,
+        q_positions=torch.tensor(sum(positions, []), dtype=torch.int32),
+        scale=d**-0.5,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        blocks=blocks,
+        positions=positions,
+    )
 
 
-def _dense_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: list[int], n: int) -> torch.Tensor:
+def _dense_kv(
+    cache: torch.Tensor, scale: torch.Tensor | None, blocks: list[int], n: int
+) -> torch.Tensor:
     rows = torch.cat([cache[b] for b in blocks])[:n] if blocks else cache[:0, 0]
     return dequantize_fp8(rows, scale) if rows.dtype == FP8 else rows.float()
 
@@ -102,7 +122,12 @@ def dense_attention(b: Batch) -> torch.Tensor:
         k = _dense_kv(b.k_cache, b.k_scale, b.blocks[i], n).repeat_interleave(hq // hkv, 1)
         v = _dense_kv(b.v_cache, b.v_scale, b.blocks[i], n).repeat_interleave(hq // hkv, 1)
         mask = torch.arange(n)[None, :] <= torch.tensor(pos)[:, None]
-        o = F.scaled_dot_product_attention(b.q[s:e].float().transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), attn_mask=mask, scale=b.scale)
+        o = F.scaled_dot_product_attention(
+            b.q[s:e].float().transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=b.scale,
+        )
         out[s:e] = o.transpose(0, 1)
     return out.to(b.q.dtype)

@@ -1,17 +1,31 @@
 """RoPE against transformers' LlamaRotaryEmbedding + apply_rotary_pos_emb (incl. Llama-3
 scaling), re-rotation of cached K, and the fp8 quantization bounds (torch references)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from tierkv.kernels import FP8, RotaryEmbedding, dequantize_fp8, fp8_scales, quantize_fp8, rerotate_k
+from tierkv.kernels import (
+    FP8,
+    RotaryEmbedding,
+    dequantize_fp8,
+    fp8_scales,
+    quantize_fp8,
+    rerotate_k,
+)
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 512}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 512,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -21,10 +35,20 @@ def _torch_path(monkeypatch):
 
 # --- RoPE -------------------------------------------------------------------------------
 
+
 def hf_rope(q, k, pos, theta, scaling, dtype):
-    params = {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
-    cfg = LlamaConfig(hidden_size=q.shape[1] * q.shape[2], num_attention_heads=q.shape[1],
-                      head_dim=q.shape[2], max_position_embeddings=8192, rope_parameters=params)
+    params = (
+        {"rope_type": "default", "rope_theta": theta}
+        if scaling is None
+        else {**scaling, "rope_theta": theta}
+    )
+    cfg = LlamaConfig(
+        hidden_size=q.shape[1] * q.shape[2],
+        num_attention_heads=q.shape[1],
+        head_dim=q.shape[2],
+        max_position_embeddings=8192,
+        rope_parameters=params,
+    )
     rot = LlamaRotaryEmbedding(cfg)
     qh, kh = q.to(dtype).transpose(0, 1)[None], k.to(dtype).transpose(0, 1)[None]
     cos, sin = rot(qh, pos[None])
@@ -40,7 +64,9 @@ def test_rope_matches_hf_fp32(scaling, d):
     pos = torch.randint(0, 8000, (40,), generator=g)
     rope = RotaryEmbedding(d, 500000.0, scaling)
     got = rope.apply(q, k, pos)
-    want = hf_rope(q, k, pos, 500000.0, None if scaling == {"rope_type": "default"} else scaling, torch.float32)
+    want = hf_rope(
+        q, k, pos, 500000.0, None if scaling == {"rope_type": "default"} else scaling, torch.float32
+    )
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
@@ -48,7 +74,10 @@ def test_rope_matches_hf_fp32(scaling, d):
 def test_rope_bf16_rounds_fp32_result():
     # We compute in fp32 and round once; HF rotates in bf16. Ours is the fp32 result, rounded.
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(30, 4, 64, generator=g).bfloat16(), torch.randn(30, 2, 64, generator=g).bfloat16()
+    q, k = (
+        torch.randn(30, 4, 64, generator=g).bfloat16(),
+        torch.randn(30, 2, 64, generator=g).bfloat16(),
+    )
     pos = torch.randint(0, 4000, (30,), generator=g)
     rope = RotaryEmbedding(64, 10000.0, LLAMA3)
     got = rope.apply(q, k, pos)
@@ -84,13 +113,15 @@ def test_rerotate_equals_rotation_at_shifted_positions(delta):
     _, k_at_base = rope.apply(k[:, :1], k, base)
     _, want = rope.apply(k[:, :1], k, shifted)
     torch.testing.assert_close(rerotate_k(k_at_base, d, rope), want, atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(rerotate_k(rerotate_k(k_at_base, d, rope), -d, rope), k_at_base,
-                               atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        rerotate_k(rerotate_k(k_at_base, d, rope), -d, rope), k_at_base, atol=2e-4, rtol=1e-4
+    )
     with pytest.raises(ValueError):
         rerotate_k(k, torch.zeros(3, dtype=torch.long), rope)
 
 
 # --- fp8 ----------------------------------------------------------------------------------
+
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 4), st.floats(1e-3, 1e4), st.integers(0, 2**16))

@@ -11,6 +11,7 @@ Interpreter caveats, worked around here and nowhere hidden:
 - an in-kernel fp32 -> bf16 cast truncates instead of rounding to nearest: bf16
   destinations are compared within one bf16 ulp.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,13 +35,23 @@ if _prev is None:
 else:
     os.environ["TRITON_INTERPRET"] = _prev
 
-from tierkv.kernels import (FP8, RotaryEmbedding, gather_kv, gather_kv_layers, paged_attention_ref,  # noqa: E402
-                     quantize_fp8, rerotate_k, scatter_kv, scatter_kv_layers, write_kv)
+from tests.test_kernels_cases import Batch, dense_attention, make_batch  # noqa: E402
+from tierkv.kernels import (
+    FP8,
+    RotaryEmbedding,
+    gather_kv,
+    gather_kv_layers,
+    paged_attention_ref,
+    quantize_fp8,
+    rerotate_k,
+    scatter_kv,
+    scatter_kv_layers,
+    write_kv,
+)
 from tierkv.kernels.fp8 import quantize_fp8_ref  # noqa: E402
 from tierkv.kernels.ref_kv import gather_kv_ref, scatter_kv_ref, write_kv_ref  # noqa: E402
 from tierkv.kernels.rope import rotate  # noqa: E402
 from tierkv.kernels.triton_attention import choose_splits, paged_attention_triton  # noqa: E402
-from tests.test_kernels_cases import Batch, dense_attention, make_batch  # noqa: E402
 
 assert triton.__version__
 MIXED = [(0, 0), (1, 1), (37, 37), (150, 1), (70, 20), (33, 0), (90, "sparse")]
@@ -53,13 +64,24 @@ def _interpret(monkeypatch):
 
 
 def both(b: Batch, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.q_positions, b.scale,
-            b.k_scale, b.v_scale)
+    args = (
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.cu_seqlens_q,
+        b.q_positions,
+        b.scale,
+        b.k_scale,
+        b.v_scale,
+    )
     return paged_attention_triton(*args, **kw), paged_attention_ref(*args)
 
 
-@pytest.mark.parametrize("hq,hkv,d,seqs", [(4, 4, 64, MIXED), (8, 2, 128, MIXED), (8, 1, 64, MIXED),
-                                           (6, 2, 64, EDGES)])
+@pytest.mark.parametrize(
+    "hq,hkv,d,seqs", [(4, 4, 64, MIXED), (8, 2, 128, MIXED), (8, 1, 64, MIXED), (6, 2, 64, EDGES)]
+)
 def test_attention_fp32(hq, hkv, d, seqs):
     b = make_batch(seed=hq + d, hq=hq, hkv=hkv, d=d, dtype=torch.float32, seqs=seqs)
     tri, ref = both(b)
@@ -74,7 +96,9 @@ def test_attention_fp16():
 
 
 def test_attention_bf16_cache_fp32_queries():
-    b = make_batch(seed=12, hq=8, hkv=2, d=64, dtype=torch.float32, cache_dtype=torch.bfloat16, seqs=MIXED)
+    b = make_batch(
+        seed=12, hq=8, hkv=2, d=64, dtype=torch.float32, cache_dtype=torch.bfloat16, seqs=MIXED
+    )
     tri, ref = both(b)
     torch.testing.assert_close(tri, ref, atol=2e-5, rtol=1e-4)
 
@@ -115,6 +139,7 @@ def test_attention_checks_block_ids():
 
 # --- KV movement --------------------------------------------------------------------------
 
+
 def caches(dtype: torch.dtype, seed: int, nb: int = 10, bs: int = 16, h: int = 2, d: int = 64):
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(nb, bs, h, d, generator=g), torch.randn(nb, bs, h, d, generator=g)
@@ -144,14 +169,21 @@ def test_write_kv(cache_dtype):
     same(vc, vc2)
 
 
-PAIRS = [(c, s) for c in (torch.float32, torch.bfloat16, FP8) for s in (torch.float32, torch.bfloat16, FP8)]
+PAIRS = [
+    (c, s)
+    for c in (torch.float32, torch.bfloat16, FP8)
+    for s in (torch.float32, torch.bfloat16, FP8)
+]
 
 
 @pytest.mark.parametrize("cache_dtype,seg_dtype", PAIRS)
 def test_gather_scatter(cache_dtype, seg_dtype):
     kc, vc, ks, vs = caches(cache_dtype, 3)
     bids = torch.tensor([7, 2, 9, 0, 4], dtype=torch.int32)
-    out, want = torch.empty(2, 45, 2, 64, dtype=seg_dtype), torch.empty(2, 45, 2, 64, dtype=seg_dtype)
+    out, want = (
+        torch.empty(2, 45, 2, 64, dtype=seg_dtype),
+        torch.empty(2, 45, 2, 64, dtype=seg_dtype),
+    )
     sc, want_sc = torch.zeros(2, 2), torch.zeros(2, 2)
     gather_kv(kc, vc, bids, 13, 45, out, ks, vs, sc)
     gather_kv_ref(kc, vc, bids, 13, 45, want, ks, vs, want_sc)
@@ -173,32 +205,54 @@ def test_layers_roundtrip():
     fresh = [torch.zeros_like(c) for c in layers]
     scatter_kv_layers(seg, fresh, bids, 5, src_scales=seg_sc)
     for a, b in zip(layers, fresh):
-        slots = (bids.long()[torch.arange(5, 45) // 16] * 16 + torch.arange(5, 45) % 16)
-        torch.testing.assert_close(b.view(2, -1, 2, 64)[:, slots], a.view(2, -1, 2, 64)[:, slots],
-                                   atol=0.03, rtol=2**-4)
+        slots = bids.long()[torch.arange(5, 45) // 16] * 16 + torch.arange(5, 45) % 16
+        torch.testing.assert_close(
+            b.view(2, -1, 2, 64)[:, slots], a.view(2, -1, 2, 64)[:, slots], atol=0.03, rtol=2**-4
+        )
 
 
 # --- RoPE and fp8 -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 64)])
+
+@pytest.mark.parametrize(
+    "dtype,d", [(torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 64)]
+)
 def test_rope(dtype, d):
-    rope = RotaryEmbedding(d, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 512})
+    rope = RotaryEmbedding(
+        d,
+        500000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    )
     g = torch.Generator().manual_seed(d)
-    q, k = torch.randn(12, 8, d, generator=g).to(dtype), torch.randn(12, 2, d, generator=g).to(dtype)
+    q, k = (
+        torch.randn(12, 8, d, generator=g).to(dtype),
+        torch.randn(12, 2, d, generator=g).to(dtype),
+    )
     pos = torch.randint(0, 5000, (12,), generator=g)
     cos, sin = rope.cos_sin(pos)
     got = rope.apply(q, k, pos)
     for x, want in zip(got, (rotate(q, cos, sin), rotate(k, cos, sin))):
-        same(x, want) if dtype == torch.bfloat16 else torch.testing.assert_close(x, want, atol=1e-6, rtol=1e-6)
+        same(x, want) if dtype == torch.bfloat16 else torch.testing.assert_close(
+            x, want, atol=1e-6, rtol=1e-6
+        )
     delta = torch.randint(-50, 3000, (12,), generator=g)
     angle = delta.float()[:, None] * rope.inv_freq
     rr = rerotate_k(k, delta, rope)
     want = rotate(k, angle.cos(), angle.sin())
-    same(rr, want) if dtype == torch.bfloat16 else torch.testing.assert_close(rr, want, atol=1e-6, rtol=1e-6)
+    same(rr, want) if dtype == torch.bfloat16 else torch.testing.assert_close(
+        rr, want, atol=1e-6, rtol=1e-6
+    )
 
 
 def test_quantize_fp8():
     x = torch.randn(7, 3, 64) * 30
     sc = torch.tensor([0.05, 0.1, 0.2])
-    assert torch.equal(quantize_fp8(x, sc).view(torch.uint8), quantize_fp8_ref(x, sc).view(torch.uint8))
+    assert torch.equal(
+        quantize_fp8(x, sc).view(torch.uint8), quantize_fp8_ref(x, sc).view(torch.uint8)
+    )

@@ -1,4 +1,5 @@
 """The hand-written wire path (cacheserver.wire) agrees with the generated protobuf classes."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -16,7 +17,9 @@ def test_put_data_frame_round_trip(seq: int, data: bytes) -> None:
     raw = wire.encode(pb.PutFrame(seq=seq), 3, memoryview(data))
     assert raw == pb.PutFrame(seq=seq, data=data).SerializeToString()
     f = wire.parse_put(raw)
-    assert isinstance(f, wire.PutFrame) and f.body == "data" and f.seq == seq and bytes(f.data) == data
+    assert (
+        isinstance(f, wire.PutFrame) and f.body == "data" and f.seq == seq and bytes(f.data) == data
+    )
 
 
 @given(key=st.binary(max_size=20), total=u64, frames=u32)
@@ -26,15 +29,27 @@ def test_put_header_frame(key: bytes, total: int, frames: int) -> None:
     assert f.body == "header" and f.header == msg.header
 
 
-@given(index=u32, kind=st.sampled_from([0, 1, 2]), layer=u32, data=st.binary(max_size=2000), total=u64,
-       tier=st.text(max_size=8))
+@given(
+    index=u32,
+    kind=st.sampled_from([0, 1, 2]),
+    layer=u32,
+    data=st.binary(max_size=2000),
+    total=u64,
+    tier=st.text(max_size=8),
+)
 def test_segment_frame_matches_protobuf(index, kind, layer, data, total, tier) -> None:
     head = pb.SegmentFrame(index=index, kind=kind, layer=layer, total_bytes=total, tier=tier)
     raw = wire.encode(head, 4, memoryview(data))
     ref = pb.SegmentFrame.FromString(raw)
     f = wire.parse_frame(raw)
-    assert (f.index, f.kind, f.layer, bytes(f.data), f.total_bytes, f.tier) == \
-        (ref.index, ref.kind, ref.layer, ref.data, ref.total_bytes, ref.tier)
+    assert (f.index, f.kind, f.layer, bytes(f.data), f.total_bytes, f.tier) == (
+        ref.index,
+        ref.kind,
+        ref.layer,
+        ref.data,
+        ref.total_bytes,
+        ref.tier,
+    )
 
 
 @settings(max_examples=300)

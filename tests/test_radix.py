@@ -1,8 +1,10 @@
 """Radix prefix tree: unit cases and a hypothesis model check against a dict of prefixes."""
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.engine.radix import RadixTree
 
@@ -19,7 +21,9 @@ def test_match_insert_split_and_stats():
     node, adopted = t.insert(toks(1, 2, 3), [10, 11, 12])
     assert adopted == [10, 11, 12]
     blocks, n = t.match(toks(1, 2, 9))
-    assert blocks == [10, 11] and n.blocks == [10, 11] and n.key == tuple(toks(1, 2))  # split at 2 blocks
+    assert (
+        blocks == [10, 11] and n.blocks == [10, 11] and n.key == tuple(toks(1, 2))
+    )  # split at 2 blocks
     assert [c.blocks for c in n.children.values()] == [[12]]
     t.check_integrity()
     _, adopted = t.insert(toks(1, 2, 7), [20, 21, 22])
@@ -61,9 +65,14 @@ def test_lru_order():
     assert t.evict(2) == [2, 3]
 
 
-ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
-                         st.lists(st.integers(0, 2), min_size=1, max_size=5), st.integers(0, 4)),
-               max_size=40)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
+        st.lists(st.integers(0, 2), min_size=1, max_size=5),
+        st.integers(0, 4),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=80, deadline=None)
@@ -77,23 +86,25 @@ def test_against_prefix_dict(script):
             next_block[0] += len(blocks)
             _, adopted = t.insert(tokens, new)
             for i in range(len(blocks)):
-                ref.setdefault(tuple(tokens[:(i + 1) * BS]), new[i])
-            assert adopted == new[len(new) - len(adopted):]
+                ref.setdefault(tuple(tokens[: (i + 1) * BS]), new[i])
+            assert adopted == new[len(new) - len(adopted) :]
         elif op == "match" or op == "lock":
             got, node = t.match(tokens)
             want = []
             for i in range(len(blocks)):
-                if tuple(tokens[:(i + 1) * BS]) not in ref:
+                if tuple(tokens[: (i + 1) * BS]) not in ref:
                     break
-                want.append(ref[tuple(tokens[:(i + 1) * BS])])
+                want.append(ref[tuple(tokens[: (i + 1) * BS])])
             assert got == want
             if op == "lock":
                 t.lock(node)
-                locks.append((node, list(tokens[:len(got) * BS])))
+                locks.append((node, list(tokens[: len(got) * BS])))
         elif op == "unlock" and locks:
             t.unlock(locks.pop(k % len(locks))[0])
         elif op == "evict":
-            protected = {ref[tuple(p[:(i + 1) * BS])] for _, p in locks for i in range(len(p) // BS)}
+            protected = {
+                ref[tuple(p[: (i + 1) * BS])] for _, p in locks for i in range(len(p) // BS)
+            }
             gone = t.evict(k)
             assert len(gone) <= k and not protected & set(gone)
             ref = {p: b for p, b in ref.items() if b not in gone}

@@ -1,4 +1,5 @@
 """The Redis tier against real redis-server processes: standalone and a 3-node cluster."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,21 +10,25 @@ import pytest
 import redis
 import torch
 
+from tests.services import RedisProcess
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment, decode_layer
-from tests.services import RedisProcess
 
 
 def segment(seed: int, layers: int = 3, tokens: int = 16) -> KVSegment:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(layers, 2, tokens, 2, 8, generator=g).to(torch.float16)
     key = seed.to_bytes(16, "little")
-    return KVSegment.from_tensor(kv, key=key, tokens=list(range(seed, seed + tokens)), fingerprint=b"fp")
+    return KVSegment.from_tensor(
+        kv, key=key, tokens=list(range(seed, seed + tokens)), fingerprint=b"fp"
+    )
 
 
 def tier_for(url: str, timeout_s: float = 5.0, **kw) -> RedisTier:
     # A generous timeout: a loaded CI machine can take seconds to answer CLUSTER SLOTS.
-    return RedisTier(RedisTierConfig(url=url, timeout_s=timeout_s, backoff_s=0.2, max_backoff_s=0.5, **kw))
+    return RedisTier(
+        RedisTierConfig(url=url, timeout_s=timeout_s, backoff_s=0.2, max_backoff_s=0.5, **kw)
+    )
 
 
 async def round_trip(tier: RedisTier) -> None:
@@ -34,7 +39,11 @@ async def round_trip(tier: RedisTier) -> None:
     assert await tier.contains(keys) == [True] * 8 + [False]
     for s in segs:
         got = await tier.get(s.key)
-        assert got is not None and torch.equal(got.payload, s.payload) and got.tokens.tolist() == s.tokens.tolist()
+        assert (
+            got is not None
+            and torch.equal(got.payload, s.payload)
+            and got.tokens.tolist() == s.tokens.tolist()
+        )
         layers = [c async for c in tier.get_layers(s.key)]
         assert [c.layer for c in layers] == [0, 1, 2]
         for c in layers:
@@ -46,7 +55,9 @@ async def round_trip(tier: RedisTier) -> None:
     assert await tier.contains([segs[0].key]) == [False]
     out = torch.empty(segs[1].payload.numel(), dtype=torch.float16)
     got = await tier.get(segs[1].key, out=out)
-    assert got.payload.data_ptr() == out.data_ptr() and torch.equal(out.view_as(segs[1].payload), segs[1].payload)
+    assert got.payload.data_ptr() == out.data_ptr() and torch.equal(
+        out.view_as(segs[1].payload), segs[1].payload
+    )
     st = tier.stats()
     assert st.hits >= 16 and st.misses >= 2 and st.puts == 8 and st.errors == 0
 

@@ -1,13 +1,14 @@
 """The torch reference keeps the plan it derives from the metadata (checks, decode block ids,
 masks) while equal metadata comes back: reuse must never serve a stale plan, and a bad
 edit must still be caught."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tierkv.kernels import paged_attention_ref
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
+from tierkv.kernels import paged_attention_ref
 
 
 @pytest.fixture(autouse=True)
@@ -16,8 +17,18 @@ def _torch_path(monkeypatch):
 
 
 def run(b: Batch) -> torch.Tensor:
-    return paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-                               b.q_positions, b.scale, b.k_scale, b.v_scale)
+    return paged_attention_ref(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.cu_seqlens_q,
+        b.q_positions,
+        b.scale,
+        b.k_scale,
+        b.v_scale,
+    )
 
 
 def tol() -> dict:
@@ -26,8 +37,12 @@ def tol() -> dict:
 
 def test_same_metadata_new_layer():
     # Every layer of a step: same metadata, another layer's q and caches.
-    a = make_batch(seed=1, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(50, 1), (20, 1), (70, 9), (33, 1)])
-    b = make_batch(seed=2, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(50, 1), (20, 1), (70, 9), (33, 1)])
+    a = make_batch(
+        seed=1, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(50, 1), (20, 1), (70, 9), (33, 1)]
+    )
+    b = make_batch(
+        seed=2, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(50, 1), (20, 1), (70, 9), (33, 1)]
+    )
     for f in ("block_tables", "seq_lens", "cu_seqlens_q", "q_positions"):
         setattr(b, f, getattr(a, f))
     b.blocks, b.positions = a.blocks, a.positions
@@ -56,8 +71,12 @@ def _edit_is_seen() -> None:
 
 def test_interleaved_groups():
     # A step's decode groups alternate within each layer: each must get its own plan back.
-    groups = [make_batch(seed=10 + i, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(20 + 30 * i, 1), (9 + i, 1)])
-              for i in range(3)]
+    groups = [
+        make_batch(
+            seed=10 + i, hq=8, hkv=2, d=64, dtype=torch.float32, seqs=[(20 + 30 * i, 1), (9 + i, 1)]
+        )
+        for i in range(3)
+    ]
     for _ in range(3):
         for b in groups:
             torch.testing.assert_close(run(b), dense_attention(b), **tol())
@@ -80,9 +99,17 @@ def test_workspace_from_inference_mode_serves_callers_outside_it() -> None:
     kc = torch.randn(nb, bs, h, d, generator=g).to(torch.float8_e4m3fn)
     vc = torch.randn(nb, bs, h, d, generator=g).to(torch.float8_e4m3fn)
     q = torch.randn(4, 8, d, generator=g).bfloat16()
-    args = (kc, vc, torch.arange(64, dtype=torch.int32).view(4, 16), torch.full((4,), 250, dtype=torch.int32),
-            torch.arange(5, dtype=torch.int32), torch.full((4,), 249, dtype=torch.int32), 0.125,
-            torch.ones(h), torch.ones(h))
+    args = (
+        kc,
+        vc,
+        torch.arange(64, dtype=torch.int32).view(4, 16),
+        torch.full((4,), 250, dtype=torch.int32),
+        torch.arange(5, dtype=torch.int32),
+        torch.full((4,), 249, dtype=torch.int32),
+        0.125,
+        torch.ones(h),
+        torch.ones(h),
+    )
     with torch.inference_mode():
         first = paged_attention(q, *args).clone()
     again = paged_attention(q.clone(), *args)  # outside inference_mode, same workspace

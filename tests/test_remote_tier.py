@@ -1,5 +1,6 @@
 """RemoteTier against real servers: concurrency with every byte checked, retries, faults as
 misses, unverified data never handed out, and graceful shutdown of in-flight puts."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,18 +11,20 @@ import grpc
 import pytest
 import torch
 
+from tests.services import ServerProcess, free_port
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.frames import pieces, put_frames
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment, decode_layer
-from tests.services import ServerProcess, free_port
 
 
 def segment(seed: int, layers: int = 4, tokens: int = 128) -> KVSegment:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(layers, 2, tokens, 4, 64, generator=g).half()  # 128 KiB layers
-    return KVSegment.from_tensor(kv, key=seed.to_bytes(16, "little"), tokens=list(range(tokens)), fingerprint=b"t")
+    return KVSegment.from_tensor(
+        kv, key=seed.to_bytes(16, "little"), tokens=list(range(tokens)), fingerprint=b"t"
+    )
 
 
 async def test_eight_concurrent_clients_every_byte(tmp_path) -> None:
@@ -44,9 +47,12 @@ async def test_eight_concurrent_clients_every_byte(tmp_path) -> None:
                 assert got is not None and torch.equal(got.payload, s.payload) and got.key == s.key
                 seen = 0
                 async for chunk in t.get_layers(s.key):
-                    assert torch.equal(decode_layer(chunk.header, chunk.layer, chunk.data), s.layer(chunk.layer))
+                    assert torch.equal(
+                        decode_layer(chunk.header, chunk.layer, chunk.data), s.layer(chunk.layer)
+                    )
                     seen += 1
                 assert seen == s.num_layers
+
         await asyncio.gather(*(client(c) for c in range(8)))
         st = await clients[0].server_stats()
         assert [t.count for t in st.tiers if t.name == "cpu"] == [26] and st.puts == 8 * 5
@@ -67,8 +73,13 @@ async def test_get_into_out() -> None:
         assert got.payload.data_ptr() == out.data_ptr() and torch.equal(got.payload, s.payload)
         buf = bytearray(s.payload.numel() * 2)
         got = await tier.get(s.key, out=buf)
-        assert torch.equal(got.payload, s.payload) and bytes(buf) == s.payload.view(torch.uint8).numpy().tobytes()
-        assert await tier.get(s.key, out=bytearray(10)) is None  # too small: refused, nothing written
+        assert (
+            torch.equal(got.payload, s.payload)
+            and bytes(buf) == s.payload.view(torch.uint8).numpy().tobytes()
+        )
+        assert (
+            await tier.get(s.key, out=bytearray(10)) is None
+        )  # too small: refused, nothing written
     finally:
         await tier.close()
         server.stop(kill=True)
@@ -111,7 +122,9 @@ class Tampering(pb_grpc.TierKVServicer):
         self.total = sum(len(p) for p in self.parts)
 
     async def Get(self, request, context):
-        yield pb.SegmentFrame(kind=pb.SegmentFrame.HEADER, data=self.parts[0], total_bytes=self.total)
+        yield pb.SegmentFrame(
+            kind=pb.SegmentFrame.HEADER, data=self.parts[0], total_bytes=self.total
+        )
         for i, p in enumerate(self.parts[1:]):
             yield pb.SegmentFrame(kind=pb.SegmentFrame.LAYER, layer=i, data=p)
 
@@ -141,7 +154,9 @@ class Stalling(pb_grpc.TierKVServicer):
         self.parts, self.total, self.go = [bytes(p) for p in parts], total, asyncio.Event()
 
     async def Get(self, request, context):
-        yield pb.SegmentFrame(kind=pb.SegmentFrame.HEADER, data=self.parts[0], total_bytes=self.total)
+        yield pb.SegmentFrame(
+            kind=pb.SegmentFrame.HEADER, data=self.parts[0], total_bytes=self.total
+        )
         for i, p in enumerate(self.parts[1:]):
             if i == 1:
                 await self.go.wait()
@@ -184,6 +199,7 @@ def test_sigterm_finishes_or_discards_in_flight_puts() -> None:
             else:
                 gate.wait(30)
             yield from frames[3:]
+
         with grpc.insecure_channel(server.target) as ch:
             try:
                 results[name] = pb_grpc.TierKVStub(ch).Put(gen(), timeout=30).stored
@@ -192,8 +208,10 @@ def test_sigterm_finishes_or_discards_in_flight_puts() -> None:
 
     with grpc.insecure_channel(server.target) as ch:
         assert pb_grpc.TierKVStub(ch).Put(put_frames(early.key, early)).stored
-    threads = [threading.Thread(target=slow_put, args=("done", done, release), daemon=True),
-               threading.Thread(target=slow_put, args=("stalled", stalled, None), daemon=True)]
+    threads = [
+        threading.Thread(target=slow_put, args=("done", done, release), daemon=True),
+        threading.Thread(target=slow_put, args=("stalled", stalled, None), daemon=True),
+    ]
     for t in threads:
         t.start()
     time.sleep(1.5)  # both streams are in flight
@@ -202,8 +220,10 @@ def test_sigterm_finishes_or_discards_in_flight_puts() -> None:
     release.set()  # "done" completes within the grace period
     assert server.proc.wait(30) == 0
     threads[0].join(10)
-    assert results["done"] is True and results.get("stalled") in (grpc.StatusCode.CANCELLED,
-                                                                  grpc.StatusCode.UNAVAILABLE)
+    assert results["done"] is True and results.get("stalled") in (
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNAVAILABLE,
+    )
     server.start()  # same cache directory: the disk tier holds what was stored, nothing else
     with grpc.insecure_channel(server.target) as ch:
         r = pb_grpc.TierKVStub(ch).Lookup(pb.LookupRequest(keys=[early.key, done.key, stalled.key]))

@@ -1,5 +1,6 @@
 """Scheduler: token budget, chunked prefill mixed with decodes, FCFS, newest-first preemption,
 determinism. Driven without a model: each step 'samples' a fixed token."""
+
 from __future__ import annotations
 
 from tierkv.engine.block_manager import BlockManager
@@ -12,15 +13,33 @@ from tierkv.engine.sequence import Sequence, Status
 BS = 4
 
 
-def make(num_blocks: int = 64, budget: int = 64, prefix: bool = True, max_seqs: int = 256) -> Scheduler:
-    cfg = EngineConfig(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                       enable_prefix_caching=prefix)
-    return Scheduler(cfg, BlockManager(num_blocks, BS, prefix), NoOpConnector(), eos_token_ids=[], max_model_len=4096)
+def make(
+    num_blocks: int = 64, budget: int = 64, prefix: bool = True, max_seqs: int = 256
+) -> Scheduler:
+    cfg = EngineConfig(
+        block_size=BS,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        enable_prefix_caching=prefix,
+    )
+    return Scheduler(
+        cfg,
+        BlockManager(num_blocks, BS, prefix),
+        NoOpConnector(),
+        eos_token_ids=[],
+        max_model_len=4096,
+    )
 
 
 def add(s: Scheduler, i: int, n: int, out: int = 4, base: int = 0) -> Sequence:
-    seq = Sequence(i, str(i), i, [base + i * 1000 + t for t in range(n)], n,
-                   SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
+    seq = Sequence(
+        i,
+        str(i),
+        i,
+        [base + i * 1000 + t for t in range(n)],
+        n,
+        SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
+    )
     s.add(seq)
     return seq
 
@@ -95,6 +114,7 @@ def test_same_workload_schedules_identically():
         while s.has_work():
             steps.append(step(s))
         return steps
+
     assert trace() == trace()
 
 

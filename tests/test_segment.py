@@ -1,13 +1,21 @@
 """KV segment format: round-trips of every dtype and codec, layer streaming, malformed input."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tierkv.storage_backends.segment import (CODECS, PREFIX_NBYTES, KVSegment, SegmentError, SegmentHeader,
-                                      decode_layer)
+from tierkv.storage_backends.segment import (
+    CODECS,
+    PREFIX_NBYTES,
+    KVSegment,
+    SegmentError,
+    SegmentHeader,
+    decode_layer,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
@@ -15,10 +23,21 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 def make(L=2, T=5, H=2, D=8, dtype=torch.float16, codec="none", seed=0, base=0) -> KVSegment:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(L, 2, T, H, D, generator=g).to(dtype)
-    scales = np.random.default_rng(seed).random((L, 2, H), dtype=np.float32) if dtype == torch.float8_e4m3fn else None
-    return KVSegment.from_tensor(kv, key=bytes([seed % 256]) * 16, parent=b"\x07" * 16,
-                                 tokens=np.arange(T) * 3 + seed, fingerprint=b"fp-" + bytes([seed % 256]),
-                                 base_position=base, codec=codec, scales=scales)
+    scales = (
+        np.random.default_rng(seed).random((L, 2, H), dtype=np.float32)
+        if dtype == torch.float8_e4m3fn
+        else None
+    )
+    return KVSegment.from_tensor(
+        kv,
+        key=bytes([seed % 256]) * 16,
+        parent=b"\x07" * 16,
+        tokens=np.arange(T) * 3 + seed,
+        fingerprint=b"fp-" + bytes([seed % 256]),
+        base_position=base,
+        codec=codec,
+        scales=scales,
+    )
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -27,9 +46,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
-@given(L=st.integers(1, 64), T=st.integers(1, 37), H=st.integers(1, 4), D=st.sampled_from([1, 3, 8, 16]),
-       dtype=st.sampled_from(DTYPES), codec=st.sampled_from(CODECS), seed=st.integers(0, 2**16),
-       base=st.integers(-5, 2**40), as_bytes=st.booleans())
+@given(
+    L=st.integers(1, 64),
+    T=st.integers(1, 37),
+    H=st.integers(1, 4),
+    D=st.sampled_from([1, 3, 8, 16]),
+    dtype=st.sampled_from(DTYPES),
+    codec=st.sampled_from(CODECS),
+    seed=st.integers(0, 2**16),
+    base=st.integers(-5, 2**40),
+    as_bytes=st.booleans(),
+)
 def test_roundtrip(L, T, H, D, dtype, codec, seed, base, as_bytes):
     seg = make(L, T, H, D, dtype, codec, seed, base)
     buf = seg.encode()
@@ -37,17 +64,22 @@ def test_roundtrip(L, T, H, D, dtype, codec, seed, base, as_bytes):
         assert len(buf) == seg.nbytes
     got = KVSegment.decode(bytes(buf) if as_bytes else buf)
     assert same_bits(got.tensor(), seg.tensor())
-    assert (got.key, got.parent, got.fingerprint, got.base_position) == (seg.key, seg.parent, seg.fingerprint, base)
+    assert (got.key, got.parent, got.fingerprint, got.base_position) == (
+        seg.key,
+        seg.parent,
+        seg.fingerprint,
+        base,
+    )
     assert (got.dtype, got.codec, got.quant) == (seg.dtype, codec, seg.quant)
     assert np.array_equal(got.tokens, seg.tokens)
     if dtype == torch.float8_e4m3fn:
         assert np.array_equal(got.scales, seg.scales)
     got.verify()
     # a reader can fetch the prefix, then the header, then each layer's byte range
-    h = SegmentHeader.decode(buf[:SegmentHeader.peek_nbytes(buf[:PREFIX_NBYTES])])
+    h = SegmentHeader.decode(buf[: SegmentHeader.peek_nbytes(buf[:PREFIX_NBYTES])])
     assert h.nbytes == len(buf)
     for i, (off, n) in enumerate(h.layers):
-        assert same_bits(decode_layer(h, i, buf[off:off + n]), seg.layer(i))
+        assert same_bits(decode_layer(h, i, buf[off : off + n]), seg.layer(i))
 
 
 def test_codec_none_is_zero_copy():
@@ -63,22 +95,33 @@ def test_codec_none_is_zero_copy():
 
 def test_shuffle_shrinks_low_entropy_bf16():
     kv = torch.zeros(2, 2, 64, 2, 64, dtype=torch.bfloat16) + torch.arange(64, dtype=torch.bfloat16)
-    seg = KVSegment.from_tensor(kv, key=b"k" * 16, tokens=range(64), fingerprint=b"f", codec="shuffle+lz4")
+    seg = KVSegment.from_tensor(
+        kv, key=b"k" * 16, tokens=range(64), fingerprint=b"f", codec="shuffle+lz4"
+    )
     assert len(seg.encode()) < seg.nbytes // 4
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda b: b[:10], "truncated"),
-    (lambda b: b[:PREFIX_NBYTES + 30], "truncated header"),
-    (lambda b: b[:-1], "bytes, header says"),
-    (lambda b: b + b"\0", "bytes, header says"),
-    (lambda b: b"XXXX" + b[4:], "bad magic"),
-    (lambda b: b[:4] + b"\x02\x00" + b[6:], "version 2"),
-    (lambda b: b[:PREFIX_NBYTES + 40] + bytes([b[PREFIX_NBYTES + 40] ^ 1]) + b[PREFIX_NBYTES + 41:],
-     "header checksum"),
-    (lambda b: bytes(len(b)), "bad magic"),
-    (lambda b: np.random.default_rng(0).bytes(len(b)), "bad magic"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda b: b[:10], "truncated"),
+        (lambda b: b[: PREFIX_NBYTES + 30], "truncated header"),
+        (lambda b: b[:-1], "bytes, header says"),
+        (lambda b: b + b"\0", "bytes, header says"),
+        (lambda b: b"XXXX" + b[4:], "bad magic"),
+        (lambda b: b[:4] + b"\x02\x00" + b[6:], "version 2"),
+        (
+            lambda b: (
+                b[: PREFIX_NBYTES + 40]
+                + bytes([b[PREFIX_NBYTES + 40] ^ 1])
+                + b[PREFIX_NBYTES + 41 :]
+            ),
+            "header checksum",
+        ),
+        (lambda b: bytes(len(b)), "bad magic"),
+        (lambda b: np.random.default_rng(0).bytes(len(b)), "bad magic"),
+    ],
+)
 def test_malformed(mutate, match):
     buf = bytes(make().encode())
     with pytest.raises(SegmentError, match=match):
@@ -93,11 +136,13 @@ def test_payload_corruption_and_layer_errors():
         buf[off + n // 2] ^= 0x10
         with pytest.raises(SegmentError, match="layer 2"):
             KVSegment.decode(buf)
-        KVSegment.decode(buf, verify=False) if codec == "none" else None  # unverified decode is allowed
+        KVSegment.decode(
+            buf, verify=False
+        ) if codec == "none" else None  # unverified decode is allowed
         with pytest.raises(SegmentError, match="layer 2"):
-            decode_layer(h, 2, buf[off:off + n])
+            decode_layer(h, 2, buf[off : off + n])
         with pytest.raises(SegmentError, match="got"):
-            decode_layer(h, 0, buf[h.layers[0][0]:h.layers[0][0] + 3])
+            decode_layer(h, 0, buf[h.layers[0][0] : h.layers[0][0] + 3])
         with pytest.raises(SegmentError, match="out of range"):
             decode_layer(h, 3, b"")
 
@@ -123,15 +168,18 @@ def test_crafted_header_cannot_ask_for_a_huge_allocation():
         SegmentHeader.decode(h.encode())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(kv=torch.zeros(2, 3, 4, 1, 1)), r"\[L, 2, T, H, D\]"),
-    (dict(kv=torch.zeros(2, 2, 4, 1, 1, dtype=torch.int32)), "unsupported kv dtype"),
-    (dict(key=b"short"), "16 bytes"),
-    (dict(tokens=[1, 2]), "tokens must be 4"),
-    (dict(codec="zstd"), "unknown codec"),
-    (dict(scales=np.ones((2, 2, 1), np.float32)), "only for float8"),
-    (dict(kv=torch.zeros(2, 2, 4, 1, 1).to(torch.float8_e4m3fn)), "needs float32 scales"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kv=torch.zeros(2, 3, 4, 1, 1)), r"\[L, 2, T, H, D\]"),
+        (dict(kv=torch.zeros(2, 2, 4, 1, 1, dtype=torch.int32)), "unsupported kv dtype"),
+        (dict(key=b"short"), "16 bytes"),
+        (dict(tokens=[1, 2]), "tokens must be 4"),
+        (dict(codec="zstd"), "unknown codec"),
+        (dict(scales=np.ones((2, 2, 1), np.float32)), "only for float8"),
+        (dict(kv=torch.zeros(2, 2, 4, 1, 1).to(torch.float8_e4m3fn)), "needs float32 scales"),
+    ],
+)
 def test_from_tensor_refuses_bad_input(kwargs, match):
     args = dict(kv=torch.zeros(2, 2, 4, 1, 1), key=b"k" * 16, tokens=[1, 2, 3, 4], fingerprint=b"f")
     args.update(kwargs)

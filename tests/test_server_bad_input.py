@@ -1,18 +1,19 @@
 """Every refused request: right status, a message, nothing stored, and the server keeps serving."""
+
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
 import torch
 
+from tests.services import ServerProcess
 from tierkv.cacheserver.frames import put_frames
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment
-from tests.services import ServerProcess
 
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 UNKNOWN_FIELD = b"\xf8\x07\x01"  # field 127, varint 1: no message of tierkv.v1 has it
@@ -21,13 +22,27 @@ UNKNOWN_FIELD = b"\xf8\x07\x01"  # field 127, varint 1: no message of tierkv.v1 
 def segment(seed: int, layers: int = 3, tokens: int = 64) -> KVSegment:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(layers, 2, tokens, 2, 32, generator=g).to(torch.float16)
-    return KVSegment.from_tensor(kv, key=seed.to_bytes(16, "little"), tokens=list(range(tokens)), fingerprint=b"t")
+    return KVSegment.from_tensor(
+        kv, key=seed.to_bytes(16, "little"), tokens=list(range(tokens)), fingerprint=b"t"
+    )
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess(args=["--max-segment-bytes", "1MiB", "--max-frames", "64", "--max-frame-bytes", "64KiB",
-                            "--max-keys", "32", "--max-streams", "2"]).start()
+    s = ServerProcess(
+        args=[
+            "--max-segment-bytes",
+            "1MiB",
+            "--max-frames",
+            "64",
+            "--max-frame-bytes",
+            "64KiB",
+            "--max-keys",
+            "32",
+            "--max-streams",
+            "2",
+        ]
+    ).start()
     yield s
     s.stop(kill=True)
 
@@ -71,19 +86,40 @@ BAD_PUTS = {
     "truncated": (lambda f: f[:-2], INVALID, "truncated"),
     "extra frame": (lambda f: [*f, f[-1]], INVALID, "more frames"),
     "empty stream": (lambda f: [], INVALID, "empty Put"),
-    "total too small": (lambda f: [_hdr(f[0], total=f[0].header.total_bytes - 1), *f[1:]], INVALID, "does not fit"),
-    "total too large": (lambda f: [_hdr(f[0], total=f[0].header.total_bytes + 1), *f[1:]], INVALID, "payload is"),
+    "total too small": (
+        lambda f: [_hdr(f[0], total=f[0].header.total_bytes - 1), *f[1:]],
+        INVALID,
+        "does not fit",
+    ),
+    "total too large": (
+        lambda f: [_hdr(f[0], total=f[0].header.total_bytes + 1), *f[1:]],
+        INVALID,
+        "payload is",
+    ),
     "key mismatch": (lambda f: [_hdr(f[0], key=bytes(16)), *f[1:]], INVALID, "differs"),
     "short key": (lambda f: [_hdr(f[0], key=b"abc"), *f[1:]], INVALID, "16 bytes"),
-    "flipped byte": (lambda f: [*f[:-1], _data(f[-1], bytes([f[-1].data[0] ^ 1]) + f[-1].data[1:])],
-                     INVALID, "checksum"),
-    "garbage payload": (lambda f: [f[0], *[_data(x, b"\x00" * len(x.data)) for x in f[1:]]], INVALID, "malformed"),
-    "oversized segment": (lambda f: [_hdr(f[0], total=2 << 20), *f[1:]], EXHAUSTED, "max_segment_bytes"),
+    "flipped byte": (
+        lambda f: [*f[:-1], _data(f[-1], bytes([f[-1].data[0] ^ 1]) + f[-1].data[1:])],
+        INVALID,
+        "checksum",
+    ),
+    "garbage payload": (
+        lambda f: [f[0], *[_data(x, b"\x00" * len(x.data)) for x in f[1:]]],
+        INVALID,
+        "malformed",
+    ),
+    "oversized segment": (
+        lambda f: [_hdr(f[0], total=2 << 20), *f[1:]],
+        EXHAUSTED,
+        "max_segment_bytes",
+    ),
     "too many frames": (lambda f: [_hdr(f[0], frames=65), *f[1:]], EXHAUSTED, "max_frames"),
 }
 
 
-def _hdr(f: pb.PutFrame, key: bytes | None = None, total: int | None = None, frames: int | None = None) -> pb.PutFrame:
+def _hdr(
+    f: pb.PutFrame, key: bytes | None = None, total: int | None = None, frames: int | None = None
+) -> pb.PutFrame:
     h = pb.PutHeader()
     h.CopyFrom(f.header)
     if key is not None:
@@ -117,25 +153,39 @@ def test_frame_over_limit(ch) -> None:
 
 
 def _raw(ch, method: str, stream: bool):
-    ident = lambda b: b  # noqa: E731  (bytes go out as they are: a client that sends unknown fields)
+    ident = lambda b: b
     path = f"/tierkv.v1.TierKV/{method}"
     if stream:
-        return ch.stream_unary(path, request_serializer=ident, response_deserializer=pb.PutResponse.FromString)
+        return ch.stream_unary(
+            path, request_serializer=ident, response_deserializer=pb.PutResponse.FromString
+        )
     return ch.unary_unary(path, request_serializer=ident, response_deserializer=ident)
 
 
 def test_unknown_fields(ch) -> None:
     s = segment(1002)
     fs = [f.SerializeToString() for f in frames(s)]
-    refused(lambda: _raw(ch, "Put", True)(iter([fs[0] + UNKNOWN_FIELD, *fs[1:]])), INVALID, "unknown fields")
-    refused(lambda: _raw(ch, "Put", True)(iter([*fs[:2], fs[2] + UNKNOWN_FIELD, *fs[3:]])), INVALID, "unknown")
+    refused(
+        lambda: _raw(ch, "Put", True)(iter([fs[0] + UNKNOWN_FIELD, *fs[1:]])),
+        INVALID,
+        "unknown fields",
+    )
+    refused(
+        lambda: _raw(ch, "Put", True)(iter([*fs[:2], fs[2] + UNKNOWN_FIELD, *fs[3:]])),
+        INVALID,
+        "unknown",
+    )
     hdr = pb.PutHeader(key=s.key, total_bytes=1, num_frames=1).SerializeToString() + UNKNOWN_FIELD
     nested = b"\x12" + bytes([len(hdr)]) + hdr  # PutFrame.header with an unknown field inside
     refused(lambda: _raw(ch, "Put", True)(iter([nested])), INVALID, "PutHeader carries unknown")
     req = pb.LookupRequest(keys=[s.key]).SerializeToString() + UNKNOWN_FIELD
     refused(lambda: _raw(ch, "Lookup", False)(req), INVALID, "unknown fields")
-    refused(lambda: _raw(ch, "Lookup", False)(b"\xff\xff\xff"), INVALID, "not a valid LookupRequest")
-    refused(lambda: _raw(ch, "Put", True)(iter([fs[0], b"\xff\xff"])), INVALID, "not a valid PutFrame")
+    refused(
+        lambda: _raw(ch, "Lookup", False)(b"\xff\xff\xff"), INVALID, "not a valid LookupRequest"
+    )
+    refused(
+        lambda: _raw(ch, "Put", True)(iter([fs[0], b"\xff\xff"])), INVALID, "not a valid PutFrame"
+    )
     assert not stored(ch, s.key)
     still_serving(ch)
 
@@ -144,7 +194,11 @@ def test_bad_keys_and_too_many_keys(ch) -> None:
     stub = pb_grpc.TierKVStub(ch)
     refused(lambda: stub.Lookup(pb.LookupRequest(keys=[b"short"])), INVALID, "16 bytes")
     refused(lambda: stub.Lookup(pb.LookupRequest(keys=[bytes(16)] * 33)), EXHAUSTED, "limit is 32")
-    refused(lambda: list(stub.GetMany(pb.GetManyRequest(keys=[bytes(16)] * 33))), EXHAUSTED, "limit is 32")
+    refused(
+        lambda: list(stub.GetMany(pb.GetManyRequest(keys=[bytes(16)] * 33))),
+        EXHAUSTED,
+        "limit is 32",
+    )
     refused(lambda: list(stub.Get(pb.GetRequest(key=b"x" * 17))), INVALID, "16 bytes")
     refused(lambda: stub.Delete(pb.DeleteRequest(keys=[b""])), INVALID, "16 bytes")
     still_serving(ch)
@@ -163,6 +217,7 @@ def test_concurrent_stream_limit(ch) -> None:
             yield fs[0]
             gates[i].wait(30)
             yield from fs[1:]
+
         results[i] = put(ch, gen())
 
     threads = [threading.Thread(target=stalled, args=(i,)) for i in range(2)]

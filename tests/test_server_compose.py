@@ -1,4 +1,5 @@
 """docker-compose.yml and the Dockerfile: parsed and checked (no Docker engine runs here)."""
+
 from __future__ import annotations
 
 import re
@@ -24,14 +25,22 @@ def test_services_ports_health_volume() -> None:
     redis, server = services["redis"], services["tierkv-server"]
     assert redis["image"].startswith("redis:7")
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
-    assert server["build"] == "." and server["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert (
+        server["build"] == "." and server["depends_on"]["redis"]["condition"] == "service_healthy"
+    )
     env = {k: str(v) for k, v in server["environment"].items()}
     port = env["TIERKV_PORT"]
     # Published on loopback only; container ports match the server's and the metrics port.
     assert f"127.0.0.1:{port}:{port}" in server["ports"]
     assert f"127.0.0.1:{env['TIERKV_METRICS_PORT']}:{env['TIERKV_METRICS_PORT']}" in server["ports"]
     assert all(p.startswith("127.0.0.1:") for p in redis["ports"] + server["ports"])
-    assert server["healthcheck"]["test"] == ["CMD", "tierkv-server", "health", "--target", f"127.0.0.1:{port}"]
+    assert server["healthcheck"]["test"] == [
+        "CMD",
+        "tierkv-server",
+        "health",
+        "--target",
+        f"127.0.0.1:{port}",
+    ]
     vol, mount = server["volumes"][0].split(":")
     assert vol in doc["volumes"] and mount == env["TIERKV_CACHE_DIR"]
     assert env["TIERKV_REDIS_URL"] == "redis://redis:6379/0"
@@ -48,7 +57,11 @@ def test_dockerfile() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.1\d", text, re.M)
     assert "download.pytorch.org/whl/cpu" in text  # never a CUDA torch in the server image
-    assert 'ENTRYPOINT ["tierkv-server"]' in text and "HEALTHCHECK" in text and "VOLUME /var/cache/tierkv" in text
+    assert (
+        'ENTRYPOINT ["tierkv-server"]' in text
+        and "HEALTHCHECK" in text
+        and "VOLUME /var/cache/tierkv" in text
+    )
     for pkg in ("proto", "storage_backends", "cacheserver"):
         assert f"COPY {pkg} {pkg}" in text
     assert "USER tierkv" in text
@@ -57,11 +70,16 @@ def test_dockerfile() -> None:
 def test_docker_compose_config_where_available() -> None:
     """`docker compose config` validates the file where the compose plugin is installed."""
     docker = shutil.which("docker")
-    has_compose = docker is not None and subprocess.run([docker, "compose", "version"],
-                                                        capture_output=True).returncode == 0
+    has_compose = (
+        docker is not None
+        and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
+    )
     if has_compose:
-        out = subprocess.run([docker, "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [docker, "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode == 0, out.stderr
     else:  # no plugin here: the YAML must still load as a compose document
         assert compose()["services"]

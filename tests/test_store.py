@@ -1,4 +1,5 @@
 """The tiered store: write-through in the background, promotion, demotion, full-queue drops."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,16 +7,18 @@ import asyncio
 import pytest
 import torch
 
+from tests.test_tiers import key, same, seg
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
 from tierkv.storage_backends.store import StoreConfig, TieredStore
-from tests.test_tiers import key, same, seg
 
 PAYLOAD = seg(0).payload.numel() * 2  # fp16 payload bytes of one test segment
 
 
-def make_store(tmp_path, gpu_segments: int = 3, cpu_segments: int = 6, queue: int = 64) -> TieredStore:
+def make_store(
+    tmp_path, gpu_segments: int = 3, cpu_segments: int = 6, queue: int = 64
+) -> TieredStore:
     gpu = GpuTier(GpuTierConfig(capacity_bytes=gpu_segments * PAYLOAD))
     cpu = CpuTier(CpuTierConfig(capacity_bytes=cpu_segments * 4 * 4096, page_bytes=4096))
     assert -(-seg(0).nbytes // 4096) <= 4
@@ -60,7 +63,9 @@ async def test_caller_may_reuse_its_tensor_after_put(tmp_path):
 
 async def test_eviction_demotes_to_the_next_tier(tmp_path):
     gpu = GpuTier(GpuTierConfig(capacity_bytes=2 * PAYLOAD))
-    cpu = CpuTier(CpuTierConfig(capacity_bytes=4 * 4096, page_bytes=4096))  # two segments of 2 pages
+    cpu = CpuTier(
+        CpuTierConfig(capacity_bytes=4 * 4096, page_bytes=4096)
+    )  # two segments of 2 pages
     disk = DiskTier(DiskTierConfig(root=tmp_path, capacity_bytes="4MiB", fsync=False))
     store = TieredStore([gpu, cpu, disk])
     # segments that only ever lived in the gpu tier (promoted copies, say)

@@ -1,4 +1,5 @@
 """The gpu, cpu and disk tiers: one contract, capacity, leases, faults as misses, restarts."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
@@ -19,8 +21,9 @@ from tierkv.storage_backends.segment import KVSegment, SegmentHeader, decode_lay
 def seg(i: int, T: int = 16, L: int = 2, dtype=torch.float16, codec: str = "none") -> KVSegment:
     g = torch.Generator().manual_seed(i)
     kv = torch.randn(L, 2, T, 2, 16, generator=g).to(dtype)
-    return KVSegment.from_tensor(kv, key=i.to_bytes(16, "little"), tokens=np.arange(T) + i, fingerprint=b"fp",
-                                 codec=codec)
+    return KVSegment.from_tensor(
+        kv, key=i.to_bytes(16, "little"), tokens=np.arange(T) + i, fingerprint=b"fp", codec=codec
+    )
 
 
 def key(i: int) -> bytes:
@@ -28,7 +31,9 @@ def key(i: int) -> bytes:
 
 
 def same(a: KVSegment, b: KVSegment) -> bool:
-    return a.key == b.key and torch.equal(a.tensor().view(torch.uint8), b.tensor().cpu().view(torch.uint8))
+    return a.key == b.key and torch.equal(
+        a.tensor().view(torch.uint8), b.tensor().cpu().view(torch.uint8)
+    )
 
 
 @pytest.fixture(params=["gpu", "cpu", "disk"])
@@ -38,7 +43,10 @@ def make_tier(request, tmp_path):
             return GpuTier(GpuTierConfig(capacity_bytes=capacity))
         if request.param == "cpu":
             return CpuTier(CpuTierConfig(capacity_bytes=capacity, page_bytes=4096))
-        return DiskTier(DiskTierConfig(root=tmp_path / "disk", capacity_bytes=capacity, fsync=False))
+        return DiskTier(
+            DiskTierConfig(root=tmp_path / "disk", capacity_bytes=capacity, fsync=False)
+        )
+
     return make
 
 
@@ -54,8 +62,10 @@ async def test_contract(make_tier):
         layers = []
         async for c in tier.get_layers(s.key):  # c.data is valid until the iterator advances
             layers.append(c.layer)
-            assert torch.equal(decode_layer(c.header, c.layer, c.data).view(torch.uint8),
-                               s.layer(c.layer).view(torch.uint8))
+            assert torch.equal(
+                decode_layer(c.header, c.layer, c.data).view(torch.uint8),
+                s.layer(c.layer).view(torch.uint8),
+            )
         assert layers == list(range(s.num_layers))
     out = torch.empty(2, 2, 7, 2, 16, dtype=torch.float16)
     got = await tier.get(segs[0].key, out=out)
@@ -78,8 +88,12 @@ async def test_namespaces_and_bad_input(make_tier):
     assert await tier.put(s.key, s, ns="a")
     assert await tier.contains([s.key], ns="b") == [False] and await tier.get(s.key, ns="b") is None
     assert tier.count("a") == 1 and tier.count("b") == 0
-    for bad in [lambda: tier.put(s.key, s, ns="../etc"), lambda: tier.get(b"short"),
-                lambda: tier.put(key(2), s), lambda: tier.contains([b"x" * 15])]:
+    for bad in [
+        lambda: tier.put(s.key, s, ns="../etc"),
+        lambda: tier.get(b"short"),
+        lambda: tier.put(key(2), s),
+        lambda: tier.contains([b"x" * 15]),
+    ]:
         with pytest.raises(ValueError):
             await bad()
     assert tier.count("a") == 1
@@ -121,9 +135,16 @@ async def test_capacity_lru_and_leases(make_tier):
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["put", "get", "del", "lease"]), st.integers(0, 11),
-                              st.integers(1, 200)), min_size=1, max_size=60),
-       page=st.sampled_from([4096, 8192]))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "del", "lease"]), st.integers(0, 11), st.integers(1, 200)
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    page=st.sampled_from([4096, 8192]),
+)
 def test_cpu_allocator_invariants(ops, page):
     async def run():
         tier = CpuTier(CpuTierConfig(capacity_bytes=16 * page, page_bytes=page))
@@ -144,6 +165,7 @@ def test_cpu_allocator_invariants(ops, page):
                 tier.lease(key(k), ttl=0.01)
             tier.check_integrity()
             assert tier.used_bytes <= 16 * page
+
     asyncio.run(run())
 
 
@@ -188,6 +210,7 @@ async def test_concurrent_puts_and_gets(make_tier):
                 if got is not None and not same(got, seg(k, T=33)):
                     errors.append(k)
             await asyncio.sleep(0)
+
     await asyncio.gather(*(worker(w) for w in range(8)))
     assert not errors
     tier.check_integrity()
@@ -207,7 +230,9 @@ async def test_disk_restart_recovery(tmp_path):
     (d / f"{key(9).hex()}.0123abcd.tmp").write_bytes(b"half a write")
     (d / f"{key(8).hex()}.tkv").write_bytes(bytes(segs[0].encode())[:100])  # partial file
     (d / f"{key(7).hex()}.tkv").write_bytes(os.urandom(500))  # garbage
-    os.replace(d / f"{key(4).hex()}.tkv", d / f"{key(6).hex()}.tkv")  # a file under another key's name
+    os.replace(
+        d / f"{key(4).hex()}.tkv", d / f"{key(6).hex()}.tkv"
+    )  # a file under another key's name
     again = DiskTier(cfg)
     assert again.count("tenant") == 4 and again.stats().errors == 3
     assert sorted(p.name for p in d.iterdir()) == sorted(f"{key(i).hex()}.tkv" for i in range(4))
@@ -241,6 +266,7 @@ async def test_disk_corrupt_byte_is_a_miss_and_file_is_gone(tmp_path, out):
 
 async def test_disk_cold_read_goes_through_aiofiles(tmp_path, monkeypatch):
     import tierkv.storage_backends.disk_tier as disk_tier
+
     tier = DiskTier(DiskTierConfig(root=tmp_path, capacity_bytes="1MiB", fsync=True))
     s = seg(6)
     await tier.put(s.key, s)

@@ -1,17 +1,30 @@
 """Shared tier pieces: sizes, namespaces, leases, and the page allocator on its own."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tierkv.storage_backends.base import Leases, check_namespace, format_size, parse_size
 from tierkv.storage_backends.pages import PageAllocator, runs
 
 
-@pytest.mark.parametrize("text, n", [("4096", 4096), ("8GiB", 8 << 30), ("512 MiB", 512 << 20), ("1.5G", 1_500_000_000),
-                                     ("64kib", 64 << 10), ("2TB", 2 * 10**12), ("10B", 10), (7, 7)])
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("4096", 4096),
+        ("8GiB", 8 << 30),
+        ("512 MiB", 512 << 20),
+        ("1.5G", 1_500_000_000),
+        ("64kib", 64 << 10),
+        ("2TB", 2 * 10**12),
+        ("10B", 10),
+        (7, 7),
+    ],
+)
 def test_parse_size(text, n):
     assert parse_size(text) == n
 
