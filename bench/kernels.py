@@ -83,17 +83,16 @@ def timed(fn, device: str, repeat: int) -> float:
 def measure(kind: str, batch: int, ctx: int, device: str, repeat: int) -> dict:
     n_q = 1 if kind == "decode" else ctx
     q, k, v, meta, dk, dv = setup(batch, ctx, n_q, device)
-    paged = lambda: paged_attention(
-        q,
-        k,
-        v,
-        scale=D**-0.5,
-        **meta,
-        max_seqlen_q=n_q,
-        max_seqlen_k=ctx,
-    )
-    base = lambda: dense_sdpa(q, dk, dv, batch, n_q)
-    ref = lambda: paged_attention_ref(q, k, v, scale=D**-0.5, cpu_kernel=False, **meta)
+
+    def paged() -> torch.Tensor:
+        return paged_attention(q, k, v, scale=D**-0.5, **meta, max_seqlen_q=n_q, max_seqlen_k=ctx)
+
+    def base() -> torch.Tensor:
+        return dense_sdpa(q, dk, dv, batch, n_q)
+
+    def ref() -> torch.Tensor:
+        return paged_attention_ref(q, k, v, scale=D**-0.5, cpu_kernel=False, **meta)
+
     err = (paged().float() - base().float()).abs().max().item()
     fns = (paged, base) if device == "cuda" else (paged, base, ref)
     # Alternate them in rounds so that load from other processes hits all alike.
@@ -124,7 +123,6 @@ def measure(kind: str, batch: int, ctx: int, device: str, repeat: int) -> dict:
         "paged_TFLOPs": flops / t_paged / 1e12,
         "max_err": err,
     }
-    del q, k, v, dk, dv
     return row
 
 

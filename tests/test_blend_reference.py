@@ -90,7 +90,7 @@ class Dense:
 
 
 @pytest.mark.parametrize("ratio,check", [(0.3, 1), (0.15, 2), (0.6, 1)])
-def test_blend_matches_dense_reference(ckpt, conn, ratio: float, check: int) -> None:  # noqa: F811
+def test_blend_matches_dense_reference(ckpt, conn, ratio: float, check: int) -> None:
     path, hf = ckpt
     order = [2, 0, 1]
     with torch.no_grad():
@@ -116,7 +116,7 @@ def test_blend_matches_dense_reference(ckpt, conn, ratio: float, check: int) -> 
     torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4)
 
 
-def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:  # noqa: F811
+def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:
     """With an fp8 KV cache the check layer compares fresh K to the dequantized cached K: it
     picks mostly the rows the fp32 cache picks; ratio 1.0 gives the same engine's full-prefill
     logits, 0.15 recomputes its share and deviates less than 0.0."""
