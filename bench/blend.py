@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
 from tierkv.connector import ConnectorConfig, TierKVConnector
-from tierkv.engine import LLM, SamplingParams, Segment
+from tierkv.engine import LLM, PromptPart, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
 
 RATIOS = [0.0, 0.05, 0.15, 0.3, 0.5, 1.0]
@@ -94,7 +94,7 @@ def ttft_rows(
             prefix.generate([flat], first, use_tqdm=False)[0].metrics.ttft
         )
         out = blend.generate(
-            [[Segment(docs[i]) for i in order] + [Segment(question, reusable=False)]],
+            [[PromptPart(docs[i]) for i in order] + [PromptPart(question, reusable=False)]],
             SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.15),
             use_tqdm=False,
         )[0]
@@ -149,9 +149,9 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
                     max_tokens=tokens, temperature=0.0, ignore_eos=True, blend_ratio=r
                 )
                 prompt = (
-                    [Segment(docs[0], prefix=prefix)]
-                    + [Segment(d) for d in docs[1:]]
-                    + [Segment(question, reusable=False)]
+                    [PromptPart(docs[0], prefix=prefix)]
+                    + [PromptPart(d) for d in docs[1:]]
+                    + [PromptPart(question, reusable=False)]
                 )
                 out, logits = generate(blend, prompt, p)
                 kl = float(

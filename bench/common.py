@@ -100,7 +100,8 @@ def print_goals(goals: Sequence[dict[str, Any]]) -> None:
     for g in goals:
         mark = "MET " if g["met"] else "MISS"
         print(
-            f"[{mark}] {g['name']}: {g['value']:.4g} {g['unit']} (target {g['op']} {g['target']:.4g})"
+            f"[{mark}] {g['name']}: {g['value']:.4g} {g['unit']} "
+            f"(target {g['op']} {g['target']:.4g})"
         )
 
 

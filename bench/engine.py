@@ -81,7 +81,8 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int
 def hf_generate(
     hf, prompts: list[list[int]], outs: list[int], batch: int, bar: tqdm
 ) -> tuple[float, int, float]:
-    """Padded (left) batches as a user runs them: (seconds, tokens generated, unused cache share)."""
+    """Padded (left) batches as a user runs them: (seconds, tokens generated, unused cache
+    share)."""
     t0, generated, slots, empty = time.perf_counter(), 0, 0, 0
     for i in range(0, len(prompts), batch):
         ps, os_ = prompts[i : i + batch], outs[i : i + batch]
@@ -99,7 +100,8 @@ def hf_generate(
                 do_sample=False,
             )
         generated += (res.shape[1] - width) * len(ps)
-        # The padded cache holds B x (width + t) slots after step t; a request fills len + min(t, out).
+        # The padded cache holds B x (width + t) slots after step t; a request fills
+        # len + min(t, out).
         for t in range(1, new + 1):
             slots += len(ps) * (width + t)
             empty += sum(width + t - len(p) - min(t, o) for p, o in zip(ps, os_))
@@ -192,8 +194,9 @@ def main() -> None:
         )
         ratios.append(hdt / dt)
 
-    # single-request decode latency: the engine's decode time per token; HF's (t(L) - t(1)) / (L - 1);
-    # LATENCY_RUNS alternating runs of each, medians (one run swings by 30% on a shared machine)
+    # single-request decode latency: the engine's decode time per token; HF's
+    # (t(L) - t(1)) / (L - 1); LATENCY_RUNS alternating runs of each, medians (one run swings by
+    # 30% on a shared machine)
     p1, lo = workload(1, (c["latency_prompt"],) * 2, (1, 1), seed=5)[0], c["latency_output"]
     sp = SamplingParams(temperature=0.0, max_tokens=lo, ignore_eos=True)
     ids, e_runs, h_runs = torch.tensor(p1), [], []
@@ -275,7 +278,8 @@ def main() -> None:
     ]
     print_table(rows, cols)
     print(
-        f"(c) unused KV slots: tierkv {100 * engine_unused:.2f}% vs HF padded cache {100 * hf_unused:.2f}%"
+        f"(c) unused KV slots: tierkv {100 * engine_unused:.2f}% "
+        f"vs HF padded cache {100 * hf_unused:.2f}%"
     )
 
     def plot(ax) -> None:

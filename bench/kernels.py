@@ -2,10 +2,10 @@
 
 CPU: the engine's CPU path (decodes through the C++ kernel of kernels/cpu_attention.cpp,
 prefills through that of kernels/cpu_prefill.cpp) against dense SDPA, with the all-torch reference
-beside it, decode and prefill, so we know the engine's CPU attention is not the bottleneck. CUDA: the Triton kernels
-against SDPA on gathered KV, with achieved bandwidth (decode) and TFLOP/s (prefill) as a
-fraction of the device's peak. Shapes are the bench model's attention (8 query heads,
-2 KV heads, head dim 64, bf16, block size 16, block ids shuffled).
+beside it, decode and prefill, so we know the engine's CPU attention is not the bottleneck.
+CUDA: the Triton kernels against SDPA on gathered KV, with achieved bandwidth (decode) and
+TFLOP/s (prefill) as a fraction of the device's peak. Shapes are the bench model's attention
+(8 query heads, 2 KV heads, head dim 64, bf16, block size 16, block ids shuffled).
 
     python -m bench.kernels [--quick] [--threads N]
 """

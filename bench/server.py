@@ -24,9 +24,9 @@ from tqdm import tqdm
 from bench.common import goal, parser, print_table, write_results
 from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.segment import KVSegment
 
-MiB = 1 << 20
 HDR = struct.Struct("<cQ")  # op (b"G" or b"P"), length
 
 
@@ -160,7 +160,7 @@ def bench_tcp(port: int, nbytes: int, clients: int, repeat: int) -> tuple[float,
 
     def timed(op: bytes) -> float:
         times = []
-        for r in range(repeat + 1):
+        for _ in range(repeat + 1):
             ts = [threading.Thread(target=one, args=(op, c)) for c in range(clients)]
             t0 = time.perf_counter()
             for t in ts:

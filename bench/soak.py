@@ -33,9 +33,9 @@ from tqdm import tqdm
 from bench.common import goal, parser, print_table, write_results
 from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.segment import KVSegment
 
-MiB = 1 << 20
 CLIENTS, SLOTS = 8, 64  # each client owns SLOTS keys: 512 x 128 KiB = 64 MiB, over the cpu tier
 SHAPE = (4, 2, 64, 2, 64)  # fp16: 128 KiB per segment
 CPU, DISK, POOL, OVERHEAD = 32 * MiB, 256 * MiB, 16 * MiB, 128 * MiB
@@ -339,11 +339,13 @@ def main() -> None:
     print_table(phases)
     print_table(faults)
     print(
-        f"ops {s['ops']}, {s['MiB']:.0f} MiB verified/moved, faults {s['faults']}, errors {s['errors']}"
+        f"ops {s['ops']}, {s['MiB']:.0f} MiB verified/moved, faults {s['faults']}, "
+        f"errors {s['errors']}"
     )
     print(
         f"wrong bytes {s['wrong_bytes']}, durable segments checked {s['durable_checked']}, "
-        f"lost {s['lost_durable']}; idle RSS {s['idle_rss_MiB']:.0f} MiB, bound {s['rss_bound_MiB']:.0f} MiB"
+        f"lost {s['lost_durable']}; idle RSS {s['idle_rss_MiB']:.0f} MiB, "
+        f"bound {s['rss_bound_MiB']:.0f} MiB"
     )
     peak = max(r["peak_rss_MiB"] for r in phases)
     goals = [

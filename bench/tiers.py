@@ -21,12 +21,12 @@ import torch
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
+from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
 from tierkv.storage_backends.segment import KVSegment
 
-MiB = 1 << 20
 L, H, D = 8, 2, 64  # the bench model's KV shape: 8 layers, 2 KV heads, head_dim 64, bf16
 TOKEN_BYTES = L * 2 * H * D * 2
 
@@ -50,7 +50,8 @@ def uncache(path: Path) -> None:
 
 async def paired(fa, fb, repeat: int, setup=None) -> tuple[float, float]:
     """Median seconds of `await fa(i)` and of `await fb(i)`, run alternately (after a warmup) so
-    that both see the same moments of this shared, noisy machine; setup() runs untimed before each."""
+    that both see the same moments of this shared, noisy machine; setup() runs untimed before
+    each."""
     await fa(-1)
     await fb(-1)
     ta: list[float] = []

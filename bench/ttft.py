@@ -182,8 +182,9 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
     print(
-        f"decode tok/s per request: no connector {base:.1f}, connector saving to its cpu tier {attached:.1f} "
-        f"({attached / base:.3f}x), to cpu + tierkv-server {attached_remote:.1f} ({attached_remote / base:.3f}x)"
+        f"decode tok/s per request: no connector {base:.1f}, "
+        f"connector saving to its cpu tier {attached:.1f} ({attached / base:.3f}x), "
+        f"to cpu + tierkv-server {attached_remote:.1f} ({attached_remote / base:.3f}x)"
     )
     top = max(lengths)
     at = {r["source"]: r for r in rows if r["tokens"] == top}

@@ -8,6 +8,7 @@ aborted UNAUTHENTICATED before it touches the store. Tokens are compared in cons
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -19,7 +20,7 @@ from tierkv.storage_backends.base import DEFAULT_NAMESPACE
 class Auth:
     tokens: dict[str, str]  # token -> namespace; empty: auth off
 
-    def namespace(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+    def namespace(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         """The namespace of a call's metadata, or None when auth is on and no token matches."""
         if not self.tokens:
             return DEFAULT_NAMESPACE

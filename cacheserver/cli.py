@@ -20,9 +20,7 @@ import grpc
 from tierkv.cacheserver import config as cfg
 from tierkv.cacheserver.server import Server
 from tierkv.storage_backends.base import format_size
-from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
-from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.storage_backends.build import build_tiers
 from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.server")
@@ -30,22 +28,7 @@ log = logging.getLogger("tierkv.server")
 
 def build_store(c: cfg.ServerConfig) -> TieredStore:
     """cpu and disk under cache_dir (each unless its size is 0), then Redis when a URL is set."""
-    tiers: list = [CpuTier(CpuTierConfig(capacity_bytes=c.cpu_bytes))] if c.cpu_bytes else []
-    if c.disk_bytes:
-        tiers.append(
-            DiskTier(DiskTierConfig(root=c.cache_path / "disk", capacity_bytes=c.disk_bytes))
-        )
-    if c.redis_url:
-        tiers.append(
-            RedisTier(
-                RedisTierConfig(
-                    url=c.redis_url,
-                    cluster=c.redis_cluster,
-                    ttl_s=c.redis_ttl_s,
-                    timeout_s=c.redis_timeout_s,
-                )
-            )
-        )
+    tiers = build_tiers(c.tiers())
     if not tiers:
         raise cfg.ConfigError("no tiers: set cpu_bytes, disk_bytes or redis_url")
     return TieredStore(tiers)

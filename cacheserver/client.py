@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
-import torch
 
 from tierkv.cacheserver import wire
 from tierkv.cacheserver.auth import bearer
@@ -30,23 +30,17 @@ from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.base import (
     DEFAULT_NAMESPACE,
-    Latency,
-    LayerChunk,
-    Tier,
-    TierStats,
+    BaseTier,
+    MiB,
+    SegmentLayer,
     check_key,
     check_namespace,
 )
-from tierkv.storage_backends.buffers import copy_into
 from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
 
 log = logging.getLogger("tierkv.remote")
-MiB = 1 << 20
 LOOKUP_BATCH = 1024  # keys per Lookup call in contains()
-
-
-def _identity(b: bytes) -> bytes:
-    return b
+T = TypeVar("T")
 
 
 def channel(
@@ -70,8 +64,35 @@ def channel(
     return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(pem), options=opts)
 
 
+@dataclass(slots=True)
+class _Connection:
+    """One channel and the calls made on it."""
+
+    channel: grpc.aio.Channel
+    stub: pb_grpc.TierKVStub
+    put: grpc.aio.StreamUnaryMultiCallable
+    get: grpc.aio.UnaryStreamMultiCallable
+
+    @staticmethod
+    def open(target: str, tls_ca: str | bytes | None, frame_bytes: int) -> _Connection:
+        ch = channel(target, tls_ca, frame_bytes)
+        # Payload frames go out pre-serialized and are read in place (cacheserver.wire): one
+        # copy of the payload each way, not three.
+        put = ch.stream_unary(
+            "/tierkv.v1.TierKV/Put",
+            request_serializer=wire.identity,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        get = ch.unary_stream(
+            "/tierkv.v1.TierKV/Get",
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=wire.parse_frame,
+        )
+        return _Connection(ch, pb_grpc.TierKVStub(ch), put, get)
+
+
 @dataclass(slots=True, eq=False)
-class RemoteTier(Tier):
+class RemoteTier(BaseTier):
     target: str  # "host:port" of a tierkv-server
     token: str | None = None  # bearer token (the server maps it to a namespace)
     tls_ca: str | bytes | None = None  # CA certificate (PEM path or bytes): TLS on
@@ -81,35 +102,23 @@ class RemoteTier(Tier):
     frame_bytes: int = MiB  # payload frame size of puts
     max_segment_bytes: int = 1 << 30  # largest segment accepted from the server
     name: str = "remote"
-    _channel: grpc.aio.Channel | None = None
-    _stub: pb_grpc.TierKVStub | None = None
-    _put: grpc.aio.StreamUnaryMultiCallable | None = None
-    _get: grpc.aio.UnaryStreamMultiCallable | None = None
-    _stats: TierStats = field(default_factory=lambda: TierStats(name="remote", device="grpc"))
-    _get_lat: Latency = field(default_factory=Latency)
-    _put_lat: Latency = field(default_factory=Latency)
+    _conn: _Connection | None = None
     _last_log: float = -1e9
+
+    def __post_init__(self) -> None:
+        self._start_stats(device="grpc")
+
+    @property
+    def conn(self) -> _Connection:
+        if self._conn is None:  # made on first use, inside the caller's event loop
+            self._conn = _Connection.open(self.target, self.tls_ca, self.frame_bytes)
+        return self._conn
 
     @property
     def stub(self) -> pb_grpc.TierKVStub:
-        if self._stub is None:  # made on first use, inside the caller's event loop
-            self._channel = channel(self.target, self.tls_ca, self.frame_bytes)
-            self._stub = pb_grpc.TierKVStub(self._channel)
-            # Payload frames go out pre-serialized and are read in place (cacheserver.wire):
-            # one copy of the payload each way, not three.
-            self._put = self._channel.stream_unary(
-                "/tierkv.v1.TierKV/Put",
-                request_serializer=_identity,
-                response_deserializer=pb.PutResponse.FromString,
-            )
-            self._get = self._channel.unary_stream(
-                "/tierkv.v1.TierKV/Get",
-                request_serializer=pb.GetRequest.SerializeToString,
-                response_deserializer=wire.parse_frame,
-            )
-        return self._stub
+        return self.conn.stub
 
-    def _opts(self) -> dict:
+    def _opts(self) -> dict[str, Any]:
         return {"timeout": self.timeout_s, "metadata": bearer(self.token)}
 
     def _fail(self, op: str, e: BaseException) -> None:
@@ -120,7 +129,7 @@ class RemoteTier(Tier):
             msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else e
             log.warning("remote tier %s: %s failed (%s): miss", self.target, op, msg)
 
-    async def _retry(self, op: str, fn):
+    async def _retry(self, op: str, fn: Callable[[], Awaitable[T]]) -> T | None:
         """fn() with retries on UNAVAILABLE; None (a miss) on any failure."""
         pause = self.backoff_s
         for attempt in range(self.retries + 1):
@@ -137,29 +146,30 @@ class RemoteTier(Tier):
             pause *= 2
         return None
 
-    def _frames(self, req: pb.GetRequest):
-        self.stub  # noqa: B018  (makes the channel and self._get)
-        return self._get(req, **self._opts())
+    def _frames(self, req: pb.GetRequest) -> AsyncIterable[wire.SegmentFrame]:
+        return self.conn.get(req, **self._opts())
 
     async def lookup(
         self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE
     ) -> pb.LookupResponse | None:
         """The server's full answer: presence, tier of each key, present prefix length."""
         check_namespace(ns)
-        req = pb.LookupRequest(keys=[check_key(k) for k in keys])
+        return await self._lookup([check_key(k) for k in keys])
+
+    async def _lookup(self, keys: list[bytes]) -> pb.LookupResponse | None:
+        req = pb.LookupRequest(keys=keys)
         return await self._retry("lookup", lambda: self.stub.Lookup(req, **self._opts()))
 
-    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
+    async def _contains(self, ns: str, keys: list[bytes]) -> list[bool]:
         found: list[bool] = []
         for i in range(0, len(keys), LOOKUP_BATCH):  # within the server's max_keys
-            r = await self.lookup(keys[i : i + LOOKUP_BATCH], ns)
-            found += list(r.present) if r is not None else [False] * len(keys[i : i + LOOKUP_BATCH])
+            batch = keys[i : i + LOOKUP_BATCH]
+            r = await self._lookup(batch)
+            found += list(r.present) if r is not None else [False] * len(batch)
         return found
 
-    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
-        check_namespace(ns)
-        req = pb.GetRequest(key=check_key(key))
-        t0 = time.perf_counter()
+    async def _read(self, ns: str, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
+        req = pb.GetRequest(key=key)
 
         async def run() -> KVSegment | None:
             asm = None
@@ -174,20 +184,11 @@ class RemoteTier(Tier):
 
         seg = await self._retry("get", run)
         if seg is None or seg.key != key:
-            self._stats.misses += 1
             return None
-        if out is not None and not _views(seg.payload, out):
-            seg = copy_into(seg, seg.header(), out)
-        self._stats.hits += 1
-        self._stats.bytes_out += seg.nbytes
-        self._get_lat.add(time.perf_counter() - t0)
-        return seg
+        return seg, seg.nbytes
 
-    async def get_layers(
-        self, key: bytes, ns: str = DEFAULT_NAMESPACE
-    ) -> AsyncIterator[LayerChunk]:
-        check_namespace(ns)
-        req = pb.GetRequest(key=check_key(key))
+    async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
+        req = pb.GetRequest(key=key)
         for attempt in range(self.retries + 1):
             yielded = False
             try:
@@ -205,43 +206,26 @@ class RemoteTier(Tier):
                         data = asm.layer_bytes(done)
                         decode_layer(asm.header, done, data)  # checksum before anyone sees it
                         yielded = True
-                        self._stats.bytes_out += len(data)
-                        yield LayerChunk(asm.header, done, data)
-                self._stats.hits += asm is not None and asm.done
-                self._stats.misses += asm is None or not asm.done
+                        yield SegmentLayer(asm.header, done, data)
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or yielded or attempt == self.retries:
                     self._fail("get_layers", e)
-                    self._stats.misses += 1
                     return
             except (SegmentError, ValueError) as e:
                 self._fail("get_layers", e)
-                self._stats.misses += 1
                 return
             await asyncio.sleep(self.backoff_s * 2**attempt)
 
-    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
-        check_namespace(ns)
-        if check_key(key) != segment.key:
-            raise ValueError("segment.key does not match key")
-        t0 = time.perf_counter()
-
+    async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
         async def run() -> pb.PutResponse:
-            self.stub  # noqa: B018  (makes the channel and self._put)
-            return await self._put(put_wire(key, segment, self.frame_bytes), **self._opts())
+            return await self.conn.put(put_wire(key, segment, self.frame_bytes), **self._opts())
 
         r = await self._retry("put", run)
-        if r is None or not r.stored:
-            return False
-        self._stats.puts += 1
-        self._stats.bytes_in += segment.nbytes
-        self._put_lat.add(time.perf_counter() - t0)
-        return True
+        return segment.nbytes if r is not None and r.stored else None
 
-    async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
-        check_namespace(ns)
-        req = pb.DeleteRequest(keys=[check_key(key)])
+    async def _delete(self, ns: str, key: bytes) -> bool:
+        req = pb.DeleteRequest(keys=[key])
         r = await self._retry("delete", lambda: self.stub.Delete(req, **self._opts()))
         return bool(r is not None and r.deleted and r.deleted[0])
 
@@ -251,27 +235,12 @@ class RemoteTier(Tier):
             "stats", lambda: self.stub.Stats(pb.StatsRequest(), **self._opts())
         )
 
-    def stats(self) -> TierStats:
-        s = self._stats
-        s.get_latency, s.put_latency = self._get_lat.summary(), self._put_lat.summary()
-        return s
-
     def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
         """Unknown without a call: use server_stats(); 0 here (the interface is synchronous)."""
         check_namespace(ns)
         return 0
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
-
-
-def _views(payload: torch.Tensor, out) -> bool:
-    """Whether payload already lives at the start of out."""
-    start = (
-        out.data_ptr()
-        if isinstance(out, torch.Tensor)
-        else torch.frombuffer(out, dtype=torch.uint8).data_ptr()
-    )
-    return payload.data_ptr() == start
+        if self._conn is not None:
+            await self._conn.channel.close(None)
+            self._conn = None

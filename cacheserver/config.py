@@ -1,7 +1,9 @@
 """Server configuration: flags over TIERKV_* environment variables over a YAML file.
 
-Every knob is a field of ServerConfig with its meaning beside it. Sizes accept human
-units (`512MiB`, `8GiB`, `1.5GB`, plain bytes; storage_backends.parse_size); tokens map bearer tokens to namespaces.
+Every knob is a field of ServerConfig with its meaning beside it; the tier knobs (cpu_bytes,
+disk_bytes, redis_*) are those of storage_backends.build.TiersConfig, with the same meaning.
+Sizes accept human units (`512MiB`, `8GiB`, `1.5GB`, plain bytes; storage_backends'
+parse_size); tokens map bearer tokens to namespaces.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ from typing import Any
 
 import yaml
 
-from tierkv.storage_backends.base import check_namespace, parse_size
-
-MiB = 1 << 20
+from tierkv.storage_backends.base import MiB, check_namespace, parse_size
+from tierkv.storage_backends.build import TiersConfig
 
 
 class ConfigError(ValueError):
@@ -56,18 +57,15 @@ def parse_tokens(value: str | Mapping[str, str]) -> dict[str, str]:
 class ServerConfig:
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 only when asked
     port: int = 50051  # gRPC port (0: pick a free one, printed at start)
-    cache_dir: str = "~/.cache/tierkv"  # disk tier directory
-    cpu_bytes: int = 1 << 30  # cpu tier capacity (0: no cpu tier)
-    disk_bytes: int = 16 << 30  # disk tier capacity (0: no disk tier)
-    redis_url: str = ""  # adds the shared Redis tier when set
-    redis_cluster: bool = (
-        False  # use the Redis Cluster client (also when the URL says redis+cluster://)
-    )
-    redis_ttl_s: int = 0  # expiry of Redis values (0: none)
-    redis_timeout_s: float = 1.0  # per-command Redis timeout; a timeout is a miss
-    tokens: dict[str, str] = field(
-        default_factory=dict
-    )  # bearer token -> namespace; empty: no auth
+    cache_dir: str = "~/.cache/tierkv"  # the server's directory; the disk tier is its disk/
+    # The tiers (see TiersConfig for each knob's full meaning): a size of 0 leaves that tier out.
+    cpu_bytes: int = 1 << 30  # cpu tier: its one host buffer, allocated at start
+    disk_bytes: int = 16 << 30  # disk tier: most bytes of segment files under cache_dir/disk
+    redis_url: str = ""  # redis tier: redis://, rediss:// or redis+cluster:// URL ("": none)
+    redis_cluster: bool = False  # redis tier: Redis Cluster client (also by redis+cluster://)
+    redis_ttl_s: int = 0  # redis tier: expiry of each value in seconds (0: none)
+    redis_timeout_s: float = 1.0  # redis tier: per-command timeout; a timeout is a miss
+    tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> ns; empty: no auth
     tls_cert: str = ""  # PEM certificate; with tls_key turns TLS on
     tls_key: str = ""  # PEM private key
     metrics_port: int = 0  # Prometheus HTTP port (0: off)
@@ -92,12 +90,29 @@ class ServerConfig:
         for name in ("max_frames", "max_streams", "max_keys", "max_segment_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
-        if self.redis_timeout_s <= 0 or self.grace_s < 0 or self.redis_ttl_s < 0:
-            raise ConfigError("redis_timeout_s must be > 0, grace_s and redis_ttl_s >= 0")
+        if self.grace_s < 0:
+            raise ConfigError("grace_s must be >= 0")
+        try:
+            self.tiers()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir).expanduser()
+
+    def tiers(self) -> TiersConfig:
+        """The tier knobs, for storage_backends.build.build_tiers: the disk tier lives in
+        cache_dir/disk."""
+        return TiersConfig(
+            cpu_bytes=self.cpu_bytes,
+            disk_dir=self.cache_path / "disk",
+            disk_bytes=self.disk_bytes,
+            redis_url=self.redis_url or None,
+            redis_cluster=self.redis_cluster,
+            redis_ttl_s=self.redis_ttl_s,
+            redis_timeout_s=self.redis_timeout_s,
+        )
 
     @property
     def auth(self) -> bool:

@@ -19,11 +19,9 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from tierkv.cacheserver import wire
 from tierkv.cacheserver.wire import Corrupt
 from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.base import KEY_NBYTES, MiB
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
-
-MiB = 1 << 20
-KEY_NBYTES = 16
 
 
 class BadRequest(Exception):
@@ -55,7 +53,8 @@ def parser(cls: type[Message]):
 
 
 def check_known(msg: Message | Corrupt | wire.PutFrame) -> None:
-    """Refuse unparsable messages and fields this server does not know (a newer or confused client)."""
+    """Refuse unparsable messages and fields this server does not know (a newer or confused
+    client)."""
     if isinstance(msg, Corrupt):
         raise invalid(msg.why)
     if isinstance(msg, Message) and len(UnknownFieldSet(msg)):
@@ -123,9 +122,7 @@ class Assembly:
     filled: int = 0  # bytes of that layer so far
 
     @staticmethod
-    def start(
-        f: wire.SegmentFrame, max_bytes: int, per_layer: bool = False, out=None
-    ) -> Assembly:
+    def start(f: wire.SegmentFrame, max_bytes: int, per_layer: bool = False, out=None) -> Assembly:
         """From a HEADER frame. In whole mode an uncompressed payload lands in `out` (a CPU
         tensor or writable buffer) when given, else in a new buffer."""
         if f.kind != pb.SegmentFrame.HEADER:

@@ -33,7 +33,7 @@ _LATENCY = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 def stats_dict(stats: Any) -> dict[str, Any]:
     """A TierStats (dataclass, slots or not) as a plain dict."""
-    if is_dataclass(stats):
+    if is_dataclass(stats) and not isinstance(stats, type):
         return asdict(stats)
     return dict(stats)
 

@@ -49,13 +49,13 @@ async def receive_put(
 ) -> tuple[bytes, KVSegment, bytearray]:
     """Read a whole Put stream into one pooled buffer and decode it (the segment views the
     buffer, returned too, for pool.give once stored); BadRequest on anything off."""
-    first = await anext(frames, None)
-    if first is None:
+    got = await anext(frames, None)
+    if got is None:
         raise invalid("empty Put stream: expected a header frame")
-    check_known(first)
-    if first.body != "header" or first.seq != 0:
-        raise invalid("the first Put frame must be the header, seq 0")
+    first = _known(got)
     h = first.header
+    if h is None or first.seq != 0:
+        raise invalid("the first Put frame must be the header, seq 0")
     if len(h.key) != KEY_NBYTES:
         raise invalid(f"a key is {KEY_NBYTES} bytes, got {len(h.key)}")
     if h.total_bytes == 0 or h.num_frames == 0:
@@ -77,20 +77,28 @@ async def receive_put(
     return h.key, seg, buf
 
 
+def _known(f: PutFrame | Corrupt) -> PutFrame:
+    """f, unless it did not parse (then refused with the reason)."""
+    if isinstance(f, Corrupt):
+        raise invalid(f.why)
+    check_known(f)
+    return f
+
+
 async def _fill(
     frames: AsyncIterator[PutFrame | Corrupt], h: pb.PutHeader, lim: PutLimits, mv: memoryview
 ) -> KVSegment:
     pos = 0
     for seq in range(1, h.num_frames + 1):
-        f = await anext(frames, None)
-        if f is None:
+        got = await anext(frames, None)
+        if got is None:
             raise invalid(f"truncated Put: stream ended after {seq - 1} of {h.num_frames} frames")
-        check_known(f)
-        if f.body != "data" or f.seq != seq:
+        f = _known(got)
+        data = f.data  # a view of the received bytes: copied once, into mv
+        if data is None or f.body != "data" or f.seq != seq:
             raise invalid(
                 f"frame out of order: expected data frame {seq}, got {f.body} frame {f.seq}"
             )
-        data = f.data  # a view of the received bytes: copied once, into mv
         n = len(data)
         if n > lim.max_frame_bytes:
             raise too_big(f"frame {seq} has {n} bytes; max_frame_bytes is {lim.max_frame_bytes}")

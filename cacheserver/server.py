@@ -25,10 +25,6 @@ HTTP2_FRAME = (1 << 24) - 1
 SERVICE = pb.DESCRIPTOR.services_by_name["TierKV"].full_name
 
 
-def _identity(b: bytes) -> bytes:
-    return b
-
-
 def add_servicer(servicer: Servicer, server: grpc.aio.Server) -> None:
     """Register the TierKV methods, like the generated helper, but with parsers that never raise."""
     svc = pb.DESCRIPTOR.services_by_name["TierKV"]
@@ -40,7 +36,9 @@ def add_servicer(servicer: Servicer, server: grpc.aio.Server) -> None:
 
     def serializer(m) -> Callable:  # streamed frames leave the handler already serialized
         return (
-            _identity if m.server_streaming else getattr(pb, m.output_type.name).SerializeToString
+            wire.identity
+            if m.server_streaming
+            else getattr(pb, m.output_type.name).SerializeToString
         )
 
     def deserializer(m) -> Callable:  # Put frames are read in place (see cacheserver.wire)

@@ -25,7 +25,7 @@ from tierkv.cacheserver.metrics import Metrics
 from tierkv.cacheserver.receive import BufferPool, PutLimits, receive_put
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
-from tierkv.storage_backends.base import LayerChunk
+from tierkv.storage_backends.base import SegmentLayer
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
 
@@ -69,9 +69,8 @@ class Servicer(pb_grpc.TierKVServicer):
         try:
             if stream:
                 if self.streams >= self.config.max_streams:
-                    raise too_big(
-                        f"{self.streams} streams in flight; max_streams is {self.config.max_streams}"
-                    )
+                    limit = self.config.max_streams
+                    raise too_big(f"{self.streams} streams in flight; max_streams is {limit}")
                 self.streams, held = self.streams + 1, True
             yield ns
         except BadRequest as e:
@@ -118,7 +117,7 @@ class Servicer(pb_grpc.TierKVServicer):
             self.metrics.wire_bytes.labels("in").inc(seg.nbytes)
             return pb.PutResponse(stored=bool(stored))
 
-    async def _layers(self, key: bytes, ns: str) -> tuple[str, AsyncIterator[LayerChunk]]:
+    async def _layers(self, key: bytes, ns: str) -> tuple[str, AsyncIterator[SegmentLayer]]:
         """The tier holding key and its layers: streamed from the fastest tier, or read
         whole (and so promoted) from a slower one."""
         [at] = await self.store.locate([key], ns)
@@ -214,14 +213,14 @@ class Servicer(pb_grpc.TierKVServicer):
             )
 
 
-async def _none() -> AsyncIterator[LayerChunk]:
+async def _none() -> AsyncIterator[SegmentLayer]:
     return
     yield
 
 
-async def _from_segment(seg: KVSegment | None) -> AsyncIterator[LayerChunk]:
+async def _from_segment(seg: KVSegment | None) -> AsyncIterator[SegmentLayer]:
     if seg is None:
         return
     h, _, blobs = seg.encode_parts()
     for i, b in enumerate(blobs):
-        yield LayerChunk(h, i, memoryview(b).cast("B"))
+        yield SegmentLayer(h, i, memoryview(b).cast("B"))

@@ -20,6 +20,11 @@ VARINT, LEN = 0, 2
 CORRUPT = -1  # SegmentFrame.kind of a frame that did not parse
 
 
+def identity(b: bytes) -> bytes:
+    """The (de)serializer of bytes that are already wire bytes: pre-serialized frames."""
+    return b
+
+
 def varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
@@ -47,8 +52,9 @@ def _read_varint(mv: memoryview, pos: int) -> tuple[int, int]:
 
 
 def fields(raw: bytes) -> Iterator[tuple[int, int, int | memoryview]]:
-    """(field number, wire type, value) of each field; LEN values are views of raw."""
+    """(field number, wire type, value) of each field: an int for a VARINT, else a view of raw."""
     mv, pos = memoryview(raw), 0
+    val: int | memoryview
     while pos < len(mv):
         key, pos = _read_varint(mv, pos)
         num, wt = key >> 3, key & 7
@@ -69,6 +75,13 @@ def fields(raw: bytes) -> Iterator[tuple[int, int, int | memoryview]]:
         else:
             raise DecodeError(f"wire type {wt}")
         yield num, wt, val
+
+
+def _view(val: int | memoryview) -> memoryview:
+    """The bytes of a LEN field (fields() gives a view for every wire type but VARINT)."""
+    if isinstance(val, int):
+        raise DecodeError("expected a length-delimited field")
+    return val
 
 
 @dataclass(slots=True)
@@ -94,14 +107,14 @@ def parse_put(raw: bytes) -> PutFrame | Corrupt:
     f = PutFrame()
     try:
         for num, wt, val in fields(raw):
-            if num == 1 and wt == VARINT:
+            if num == 1 and isinstance(val, int):
                 f.seq = val
-            elif num == 2 and wt == LEN:
-                f.header, f.data = pb.PutHeader.FromString(val), None  # oneof: the last one wins
+            elif num == 2 and wt == LEN:  # oneof: the last one wins; a header is small (copied)
+                f.header, f.data = pb.PutHeader.FromString(bytes(_view(val))), None
                 if len(UnknownFieldSet(f.header)):
                     return Corrupt("PutHeader carries unknown fields")
             elif num == 3 and wt == LEN:
-                f.data, f.header = val, None
+                f.data, f.header = _view(val), None
             elif num in (1, 2, 3):
                 return Corrupt(f"not a valid PutFrame message (field {num} has wire type {wt})")
             else:
@@ -130,7 +143,7 @@ def parse_frame(raw: bytes) -> SegmentFrame:
             if wt == VARINT and num in (1, 2, 3, 5):
                 setattr(f, ("index", "kind", "layer", "", "total_bytes")[num - 1], val)
             elif wt == LEN and num == 4:
-                f.data = val
+                f.data = _view(val)
             elif wt == LEN and num == 6:
                 f.tier = bytes(val).decode(errors="replace")
     except DecodeError:

@@ -6,33 +6,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierkv.storage_backends.base import DEFAULT_NAMESPACE, Tier, check_namespace, parse_size
-from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
-from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.build import REDIS_SCHEMES, TiersConfig, build_tiers
 from tierkv.storage_backends.store import StoreConfig, TieredStore
 
-REMOTE_SCHEMES = ("grpc://", "grpcs://", "redis://", "rediss://", "redis+cluster://")
+SERVER_SCHEMES = ("grpc://", "grpcs://")
+REMOTE_SCHEMES = SERVER_SCHEMES + REDIS_SCHEMES
 
 
 @dataclass(slots=True)
 class ConnectorConfig:
     chunk_size: int = 256  # tokens per stored chunk; a multiple of the engine's block size
-    gpu_bytes: int | str = 0  # device tier capacity; 0 = no gpu tier
-    cpu_bytes: int | str = "1GiB"  # local cpu tier capacity (one preallocated buffer); 0 = none
-    disk_dir: str | Path | None = None  # local disk tier directory; None = no disk tier
-    disk_bytes: int | str = "16GiB"  # local disk tier capacity
+    # The local tiers: the knobs of storage_backends.build.TiersConfig, with the same meaning.
+    gpu_bytes: int | str = 0  # gpu tier: KV bytes kept on the engine's device; 0 = none
+    cpu_bytes: int | str = "1GiB"  # cpu tier: its one preallocated host buffer; 0 = none
+    disk_dir: str | Path | None = None  # disk tier: directory of its files; None = none
+    disk_bytes: int | str = "16GiB"  # disk tier: most bytes of files in disk_dir; 0 = none
     # The shared tier: grpc://host:port (grpcs:// with TLS) for tierkv-server, redis://,
-    # rediss:// or redis+cluster:// for Redis directly; None = local tiers only.
+    # rediss:// or redis+cluster:// for Redis directly (TiersConfig.redis_url); None = local
+    # tiers only.
     remote: str | None = None
     namespace: str = DEFAULT_NAMESPACE  # tenant; part of every key (the server maps tokens to it)
     token: str | None = None  # bearer token for tierkv-server
     tls_ca: str | None = None  # CA certificate (PEM path) for grpcs://
-    kv_dtype: str = (
-        "auto"  # KV dtype in storage: auto (the engine cache's) | fp8 (e4m3 with scales)
-    )
-    codec: str = (
-        "none"  # segment codec: none | lz4 | shuffle+lz4 (measure first: fp16 KV barely shrinks)
-    )
+    kv_dtype: str = "auto"  # KV dtype in storage: auto (the engine cache's) | fp8 (e4m3, scales)
+    # segment codec: none | lz4 | shuffle+lz4 (measure first: fp16 KV barely shrinks)
+    codec: str = "none"
     save_partial_chunks: bool = False  # also store a prompt's last, partial chunk
     save: bool = True  # store new prompt chunks after prefill (False: read-only client)
     lookup_timeout_s: float = 2.0  # the scheduler-side Lookup; a timeout is a miss
@@ -53,22 +51,26 @@ class ConnectorConfig:
         if self.max_pending_saves < 1:
             raise ValueError("max_pending_saves must be >= 1")
 
+    def tiers(self) -> TiersConfig:
+        """The knobs of the tiers storage_backends builds: the local ones, and Redis when
+        remote names it."""
+        redis = self.remote if self.remote and self.remote.startswith(REDIS_SCHEMES) else None
+        return TiersConfig(
+            gpu_bytes=self.gpu_bytes,
+            cpu_bytes=self.cpu_bytes,
+            disk_dir=self.disk_dir,
+            disk_bytes=self.disk_bytes,
+            redis_url=redis,
+        )
+
     def build_tiers(self) -> list[Tier]:
-        """The local tiers (fastest first), then the remote one."""
-        tiers: list[Tier] = []
-        if self.gpu_bytes:
-            tiers.append(GpuTier(GpuTierConfig(capacity_bytes=self.gpu_bytes)))
-        if self.cpu_bytes:
-            tiers.append(CpuTier(CpuTierConfig(capacity_bytes=self.cpu_bytes)))
-        if self.disk_dir is not None:
-            tiers.append(
-                DiskTier(DiskTierConfig(root=self.disk_dir, capacity_bytes=self.disk_bytes))
-            )
-        if self.remote is not None:
-            tiers.append(remote_tier(self.remote, self.token, self.tls_ca))
+        """The local tiers (fastest first), then the shared one."""
+        tiers = build_tiers(self.tiers())
+        if self.remote is not None and self.remote.startswith(SERVER_SCHEMES):
+            tiers.append(server_tier(self.remote, self.token, self.tls_ca))
         if not tiers:
             raise ValueError(
-                "the connector needs at least one tier (cpu_bytes, disk_dir or remote)"
+                "the connector needs at least one tier (cpu_bytes, gpu_bytes, disk_dir or remote)"
             )
         return tiers
 
@@ -76,17 +78,11 @@ class ConnectorConfig:
         return TieredStore(self.build_tiers(), StoreConfig())
 
 
-def remote_tier(url: str, token: str | None = None, tls_ca: str | None = None) -> Tier:
-    """The shared tier named by url: tierkv-server over gRPC, or Redis (standalone or cluster)."""
-    if url.startswith(("grpc://", "grpcs://")):
-        from tierkv.cacheserver.client import RemoteTier
+def server_tier(url: str, token: str | None = None, tls_ca: str | None = None) -> Tier:
+    """The tierkv-server at url (grpc://host:port, or grpcs:// with tls_ca), as a tier."""
+    from tierkv.cacheserver.client import RemoteTier
 
-        tls = url.startswith("grpcs://")
-        if tls and tls_ca is None:
-            raise ValueError("grpcs:// needs tls_ca (the server's CA certificate)")
-        return RemoteTier(
-            target=url.split("://", 1)[1], token=token, tls_ca=tls_ca if tls else None
-        )
-    from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
-
-    return RedisTier(RedisTierConfig(url=url))
+    tls = url.startswith("grpcs://")
+    if tls and tls_ca is None:
+        raise ValueError("grpcs:// needs tls_ca (the server's CA certificate)")
+    return RemoteTier(target=url.split("://", 1)[1], token=token, tls_ca=tls_ca if tls else None)

@@ -22,13 +22,13 @@ import torch
 from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
-from tierkv.connector.requests import DTYPE_NAMES, model_fingerprint, record_lookup, request_state
+from tierkv.connector.requests import model_fingerprint, record_lookup, request_state
 from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
 from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.keys import ChunkHasher, Salt
-from tierkv.storage_backends.segment import VERSION
+from tierkv.storage_backends.segment import VERSION, dtype_name
 from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.connector")
@@ -55,8 +55,8 @@ class TierKVConnector(KVConnector):
         self.save_futures: list = []
         self.caches: list[torch.Tensor] = []
         self.kv_scales: torch.Tensor | None = None
-        self.hasher: ChunkHasher | None = None
-        self.layout: Layout | None = None
+        self._hasher: ChunkHasher | None = None
+        self._layout: Layout | None = None
         self.model_id: str | None = None
         self.rope: RotaryEmbedding | None = None
         if self.config.metrics_port:
@@ -98,7 +98,9 @@ class TierKVConnector(KVConnector):
         if cache_dtype == FP8 and self.kv_scales is None:
             raise ValueError("an fp8 engine cache needs its kv_scales in bind_model")
         store_dtype = FP8 if self.config.kv_dtype == "fp8" else cache_dtype
-        name = DTYPE_NAMES[store_dtype]
+        name = dtype_name(store_dtype)
+        if name is None:
+            raise ValueError(f"no segment can hold a {store_dtype} cache")
         quant = "fp8_e4m3" if store_dtype == FP8 else "none"
         salt = Salt(
             model_fingerprint=self.model_id,
@@ -106,10 +108,24 @@ class TierKVConnector(KVConnector):
             chunk_size=self.config.chunk_size,
             namespace=self.ns,
         )
-        self.hasher = ChunkHasher(salt)
-        self.layout = Layout(
+        self._hasher = ChunkHasher(salt)
+        self._layout = Layout(
             len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, self.rope
         )
+
+    @property
+    def hasher(self) -> ChunkHasher:
+        """The chunk keys under this model's salt (made by register_kv_caches)."""
+        if self._hasher is None:
+            raise RuntimeError("register_kv_caches must be called before the connector is used")
+        return self._hasher
+
+    @property
+    def layout(self) -> Layout:
+        """What a segment of this engine must look like (made by register_kv_caches)."""
+        if self._layout is None:
+            raise RuntimeError("register_kv_caches must be called before the connector is used")
+        return self._layout
 
     # -- scheduler side --------------------------------------------------------------------
     def _state(self, request: Any) -> RequestState:
@@ -290,9 +306,10 @@ class TierKVConnector(KVConnector):
             job.cancel()
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        scales = self.kv_scales
         ks, vs = (
-            (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
-            if kv_layer.dtype == FP8
+            (scales[layer, 0], scales[layer, 1])
+            if kv_layer.dtype == FP8 and scales is not None
             else (None, None)
         )
         for p in self.meta.saves:

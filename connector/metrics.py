@@ -21,6 +21,7 @@ class ConnectorCollector:
     def collect(self) -> Iterator[Metric]:
         stats = self.connector.stats
         for name, value in asdict(stats).items():
+            fam: Metric
             if isinstance(value, list):  # latency windows: export the median
                 fam = GaugeMetricFamily(
                     f"tierkv_connector_{name.replace('seconds', 'p50_seconds')}",

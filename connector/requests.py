@@ -10,15 +10,8 @@ import torch
 import xxhash
 
 from tierkv.connector.plan import Chunk, RequestState
-from tierkv.kernels import FP8
 from tierkv.storage_backends.keys import ChunkHasher
-
-DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    FP8: "float8_e4m3fn",
-}
+from tierkv.storage_backends.segment import dtype_name
 
 
 def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> str:
@@ -34,7 +27,7 @@ def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> s
     for name, p in model.state_dict().items():
         h.update(name.encode())
         h.update(memoryview(p.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)))
-    return f"llama:{DTYPE_NAMES.get(dtype, str(dtype))}:{h.hexdigest()}"
+    return f"llama:{dtype_name(dtype) or str(dtype)}:{h.hexdigest()}"
 
 
 def request_state(request: Any, hasher: ChunkHasher, partial: bool) -> RequestState:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,7 +56,7 @@ class LoadJob:
                 p.failed_from = p.start
 
 
-def check_segment(seg: KVSegment, plan: LoadPlan, i: int, layout: Layout) -> str | None:
+def why_unusable(seg: KVSegment, plan: LoadPlan, i: int, layout: Layout) -> str | None:
     """Why seg cannot be injected as chunk i of plan, or None when it can."""
     c = plan.chunks[i]
     if seg.key != c.key or seg.parent != c.parent:
@@ -93,26 +94,25 @@ async def fetch(
             stats.load_misses += 1
             why = "miss"
         else:
-            why = check_segment(seg, plan, i, layout)
+            why = why_unusable(seg, plan, i, layout)
             if why is None:
                 try:  # the tier checked too; this guards against a tier that did not
                     seg.verify()
                 except SegmentError as e:
                     why = str(e)
-            if why is not None:
-                stats.load_rejected += 1
-            else:
+            if why is None:
                 stats.loaded_bytes += seg.payload.numel() * seg.payload.element_size()
-        if why is not None:
-            log.warning(
-                "load of request %s chunk %d rejected: %s; recomputing",
-                plan.request_id,
-                plan.chunks[i].index,
-                why,
-            )
-            plan.failed_from = max(plan.start, plan.chunks[i].start)
-            break
-        good.append(seg)
+                good.append(seg)
+                continue
+            stats.load_rejected += 1
+        log.warning(
+            "load of request %s chunk %d rejected: %s; recomputing",
+            plan.request_id,
+            plan.chunks[i].index,
+            why,
+        )
+        plan.failed_from = max(plan.start, plan.chunks[i].start)
+        break
     return good
 
 
@@ -136,6 +136,8 @@ def scatter_layer(
                 continue
             part = seg.layer(layer)[:, lo - c.start : hi - c.start]
             if plan.rotate and c.start != seg.base_position:  # R(p + d) = R(d) R(p)
+                if rope is None:
+                    raise ValueError("re-rotating a reused segment needs the model's rope")
                 part = torch.stack(
                     [rerotate_k(part[0], c.start - seg.base_position, rope), part[1]]
                 )
@@ -167,7 +169,8 @@ async def run_load(
     stats: ConnectorStats,
     timeout: float,
 ) -> None:
-    """Fetch and verify every chunk first, then scatter layer by layer, setting each layer's event."""
+    """Fetch and verify every chunk first, then scatter layer by layer, setting each layer's
+    event."""
     try:
         segs = await asyncio.wait_for(
             asyncio.gather(*(fetch(store, ns, p, layout, stats) for p in job.plans)), timeout
@@ -200,7 +203,7 @@ async def run_saves(
     fingerprint: bytes,
     codec: str,
     stats: ConnectorStats,
-    done: callable,
+    done: Callable[[SavePlan], object],
 ) -> None:
     """Put each staged chunk that the store does not hold yet; done(plan) frees its staging."""
     for plan in saves:

@@ -28,12 +28,13 @@ from tierkv.kernels import paged_attention, write_kv
 
 
 @dataclass(slots=True)
-class Segment:
-    """A piece of a prompt. A reusable one (a RAG document, a tool result) has its KV computed
-    once, stored under its segment key and reused at any position; a non-reusable one (the
-    question) is always computed. prefix=True declares the first segment the shared prefix (a
-    system prompt): it is reused exactly, as a prefix, and the reusable segments after it have
-    their KV computed right after it (attending to it) and keyed under it, not standalone."""
+class PromptPart:
+    """One part of a prompt given in parts, `[system, doc_a, doc_b, question]`. A reusable part
+    (a RAG document, a tool result) has its KV computed once, stored under its position-free
+    segment key and reused at any position; a non-reusable one (the question) is always
+    computed. prefix=True declares the first part the shared prefix (a system prompt): it is
+    reused exactly, as a prefix, and the reusable parts after it have their KV computed right
+    after it (attending to it) and keyed under it, not standalone."""
 
     content: str | list[int]
     reusable: bool = True
@@ -42,24 +43,25 @@ class Segment:
     def __post_init__(self) -> None:
         if self.prefix and not self.reusable:
             raise ValueError(
-                "a shared prefix segment is reused as a prefix: it cannot be reusable=False"
+                "a shared prefix part is reused as a prefix: it cannot be reusable=False"
             )
 
 
-def join_segments(
-    prompt: list[Segment], encode: Callable[[str], list[int]]
+def join_parts(
+    prompt: list[PromptPart], encode: Callable[[str], list[int]]
 ) -> tuple[list[int], list[tuple[int, int, bool]], int]:
-    """A segment prompt as its tokens, the (start, end, reusable) span of each segment (the
+    """A prompt in parts as its tokens, the (start, end, reusable) span of each part (the
     shared prefix's is not reusable: it is reused as a prefix) and the shared prefix's length."""
-    tokens, spans = [], []
+    tokens: list[int] = []
+    spans: list[tuple[int, int, bool]] = []
     for i, s in enumerate(prompt):
         if s.prefix and i:
             raise ValueError(
-                f"only the first segment can be the shared prefix; segment {i} has prefix=True"
+                f"only the first part can be the shared prefix; part {i} has prefix=True"
             )
         ids = encode(s.content) if isinstance(s.content, str) else list(s.content)
         if not ids:
-            raise ValueError("a segment must hold at least one token")
+            raise ValueError("a prompt part must hold at least one token")
         spans.append((len(tokens), len(tokens) + len(ids), s.reusable and not s.prefix))
         tokens += ids
     return tokens, spans, spans[0][1] if prompt[0].prefix else 0
@@ -99,7 +101,8 @@ class BlendReport:
 
 
 def select(fresh: torch.Tensor, cached: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Indices (ascending) of the ceil(ratio * N) rows of fresh/cached [N, H, D] that differ most."""
+    """Indices (ascending) of the ceil(ratio * N) rows of fresh/cached [N, H, D] that differ
+    most."""
     n = fresh.shape[0]
     m = min(n, math.ceil(ratio * n - 1e-9))
     if m == 0:

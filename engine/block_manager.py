@@ -7,6 +7,7 @@ when the radix tree indexes it. A block with count 0 is on the free list, and on
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from tierkv.engine.radix import RadixTree
 from tierkv.engine.sequence import Sequence
@@ -95,7 +96,8 @@ class BlockManager:
         return copies
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Offer seq's newly completed blocks (KV computed for all their tokens) to the prefix cache."""
+        """Offer seq's newly completed blocks (KV computed for all their tokens) to the prefix
+        cache."""
         n = seq.num_computed_tokens // self.block_size
         if self.tree is None or n <= seq.num_indexed_blocks:
             return
@@ -108,7 +110,8 @@ class BlockManager:
         seq.lock, seq.num_indexed_blocks = node, n
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child shares all of parent's blocks; the first write into a shared partial block copies it."""
+        """child shares all of parent's blocks; the first write into a shared partial block
+        copies it."""
         child.block_table = list(parent.block_table)
         for b in child.block_table:
             self.ref[b] += 1
@@ -116,12 +119,14 @@ class BlockManager:
         child.num_indexed_blocks = parent.num_indexed_blocks
         child.lock = parent.lock
         if child.lock is not None:
+            assert self.tree is not None  # a lock is a node of the prefix cache
             self.tree.lock(child.lock)
 
     def free_seq(self, seq: Sequence) -> None:
         for b in reversed(seq.block_table):
             self._release(b)
         if seq.lock is not None:
+            assert self.tree is not None  # a lock is a node of the prefix cache
             self.tree.unlock(seq.lock)
         seq.block_table, seq.lock, seq.num_indexed_blocks = [], None, 0
 
@@ -130,7 +135,7 @@ class BlockManager:
         for b in blocks:
             self._release(b)
 
-    def check_integrity(self, seqs: list[Sequence], held: list[list[int]] = ()) -> None:
+    def check_integrity(self, seqs: list[Sequence], held: Iterable[list[int]] = ()) -> None:
         """held: block lists a connector still holds for finished requests."""
         count = [0] * self.num_blocks
         for s in seqs:

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from tierkv.engine.blend import Segment
+from tierkv.engine.blend import PromptPart
 from tierkv.engine.config import RANDOM_CONFIGS
 from tierkv.engine.llm import LLM
 from tierkv.engine.sampling_params import SamplingParams
@@ -117,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.question:
             print("error: --doc needs --question", file=sys.stderr)
             return 2
-        system = [Segment(read_segment(args.system, args.ids), prefix=True)] if args.system else []
+        system = (
+            [PromptPart(read_segment(args.system, args.ids), prefix=True)] if args.system else []
+        )
         prompts.append(
             system
-            + [Segment(read_segment(d, args.ids)) for d in args.doc]
-            + [Segment(read_segment(args.question, args.ids), reusable=False)]
+            + [PromptPart(read_segment(d, args.ids)) for d in args.doc]
+            + [PromptPart(read_segment(args.question, args.ids), reusable=False)]
         )
     if not prompts:
         print("error: give --prompt, --prompt-ids or --doc with --question", file=sys.stderr)

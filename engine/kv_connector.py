@@ -41,7 +41,8 @@ class KVConnector(ABC):
     def update_state_after_alloc(
         self, request: Any, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        """Blocks now allocated for request; the first num_external_tokens after its local hit are to load."""
+        """Blocks now allocated for request; the first num_external_tokens after its local hit
+        are to load."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: Any) -> object:
@@ -60,7 +61,9 @@ class KVConnector(ABC):
         kv_scales: torch.Tensor | None = None,
     ) -> None:
         """Once at start, before register_kv_caches: the model (its weights identify its KV),
-        its config and dtype, and the fp8 cache scales [L, 2, Hkv] (None without fp8)."""
+        its config and dtype, and the fp8 cache scales [L, 2, Hkv] (None without fp8).
+        An optional hook: the default does nothing."""
+        return None
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -110,10 +113,13 @@ class KVConnector(ABC):
         return []
 
     def flush(self) -> None:
-        """Block until every save started so far is stored."""
+        """Block until every save started so far is stored. An optional hook: the default does
+        nothing."""
+        return None
 
     def request_metrics(self, request_id: str) -> dict[str, Any]:
-        """Per-request numbers copied into the output metrics, e.g. {"loaded_tokens": {"cpu": 256}}."""
+        """Per-request numbers copied into the output metrics, e.g.
+        {"loaded_tokens": {"cpu": 256}}."""
         return {}
 
 

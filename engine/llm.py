@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm import tqdm
 
-from tierkv.engine.blend import BlendParams, Segment, join_segments
+from tierkv.engine.blend import BlendParams, PromptPart, join_parts
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.kv_connector import KVConnector, NoOpConnector
@@ -20,6 +20,9 @@ from tierkv.engine.sampler import sample
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.scheduler import Scheduler
 from tierkv.engine.sequence import Sequence
+
+# One prompt: text, token ids, or PromptParts (a CacheBlend prompt in parts).
+Prompt = str | list[int] | list[PromptPart]
 
 
 @dataclass(slots=True)
@@ -205,18 +208,17 @@ class LLM:
         self.connector.flush()
         return len(todo)
 
-    def add_request(
-        self, group: int, prompt: str | list[int] | list[Segment], params: SamplingParams
-    ) -> Sequence:
+    def add_request(self, group: int, prompt: Prompt, params: SamplingParams) -> Sequence:
         spans, prefix_len = None, 0
         if isinstance(prompt, str):
             prompt = self._encode(prompt)
-        elif prompt and all(isinstance(s, Segment) for s in prompt):
-            prompt, spans, prefix_len = join_segments(prompt, self._encode)
+        elif prompt and all(isinstance(s, PromptPart) for s in prompt):
+            prompt, spans, prefix_len = join_parts(cast("list[PromptPart]", prompt), self._encode)
         vocab = self.model_config.vocab_size
         if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
-        seq = self._new_seq(group, str(group), prompt, len(prompt), params, 0)
+        tokens = cast("list[int]", prompt)  # every element checked just above
+        seq = self._new_seq(group, str(group), tokens, len(tokens), params, 0)
         if spans is not None and self.connector.lookup_segments([]) is not None:
             seq.segments, seq.blend, seq.prefix_len = spans, self._blend_params(params), prefix_len
         try:
@@ -288,32 +290,33 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]] | str | list[int],
+        prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, Segment))
-        ):
-            prompts = [prompts]
-        segmented = [p for p in prompts if isinstance(p, list) and p and isinstance(p[0], Segment)]
+        # One prompt or a list of them, told apart by the first element.
+        one = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, PromptPart))
+        )
+        batch = cast("list[Prompt]", [prompts] if one else prompts)
+        segmented = [p for p in batch if isinstance(p, list) and p and isinstance(p[0], PromptPart)]
         if segmented and self.connector.lookup_segments([]) is not None:
             # Each reusable segment's KV must be stored before a blend can load it: standalone,
             # or after the prompt's shared prefix.
             docs: dict[tuple[int, ...], list[list[int]]] = {}
-            for p in segmented:
-                toks, spans, n = join_segments(p, self._encode)
+            for parts in segmented:
+                toks, spans, n = join_parts(parts, self._encode)
                 docs.setdefault(tuple(toks[:n]), []).extend(
                     toks[a:b] for a, b, reusable in spans if reusable
                 )
             for prefix, segs in docs.items():
                 self.ingest(segs, list(prefix))
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
         base = self._next_id
         groups = []
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
+        for i, (p, sp) in enumerate(zip(batch, plist)):
             groups.append(base + i)
             self.add_request(base + i, p, sp)
         total = sum(sp.n for sp in plist)

@@ -55,7 +55,8 @@ class Attention(nn.Module):
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [N, Hq, D], k and v [N, Hkv, D] of normed rows x, q and k rotated to their positions."""
+        """q [N, Hq, D], k and v [N, Hkv, D] of normed rows x, q and k rotated to their
+        positions."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = x.shape[0]
         q, k = self.rope.apply(q.view(n, self.hq, self.d), k.view(n, self.hkv, self.d), positions)
@@ -164,9 +165,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             target, shard = name, None
-            for src, (dst, idx) in self.packed.items():
+            for src, (ours, idx) in self.packed.items():
                 if f".{src}." in name:
-                    target, shard = name.replace(src, dst), idx
+                    target, shard = name.replace(src, ours), idx
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")

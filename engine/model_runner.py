@@ -17,12 +17,11 @@ from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.model import LlamaForCausalLM
 from tierkv.engine.scheduler import SchedulerOutput
-from tierkv.kernels import cpu, fp8_scales, paged_attention, use_triton, write_kv
+from tierkv.kernels import FP8, cpu, fp8_scales, paged_attention, use_triton, write_kv
 from tierkv.kernels.layer_ops import native_matmul
 
-FP8 = torch.float8_e4m3fn
-FP8_HEADROOM = 2.0
-DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of its longest  # scales from the first batch's amax, doubled so later tokens rarely saturate
+FP8_HEADROOM = 2.0  # scales from the first batch's amax, doubled so later tokens rarely saturate
+DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of its longest
 
 
 def bucket(n: int) -> int:
@@ -67,7 +66,8 @@ class Context:
 
 
 def retain_host_memory() -> bool:
-    """glibc mallopt: no mmap for large blocks, no trimming (see EngineConfig.retain_host_memory)."""
+    """glibc mallopt: no mmap for large blocks, no trimming (see
+    EngineConfig.retain_host_memory)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -168,13 +168,15 @@ class ModelRunner:
         else:
             # CPU path. Whole prompts with nothing cached attend only to themselves: causal SDPA,
             # no gather. The torch reference pads a decode batch to its longest sequence, so there
-            # decodes go in groups of similar length; chunks over a cached prefix go in one more call.
+            # decodes go in groups of similar length; chunks over a cached prefix go in one more
+            # call.
             is_fresh = (start_t == 0) & (count_t > 1)
             fresh = [
                 (int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()
             ]
             dec = sorted((i for i in range(b) if counts[i] == 1), key=lambda i: -starts[i])
-            groups, cur = [], []
+            groups: list[list[int]] = []
+            cur: list[int] = []
             split = not self.one_decode_group
             for i in dec:
                 if cur and split and (starts[i] + 1) * DECODE_GROUP_RATIO < starts[cur[0]] + 1:
@@ -186,7 +188,7 @@ class ModelRunner:
                 [g] if (g := torch.nonzero(~is_fresh & (count_t > 1)).flatten().tolist()) else []
             )
             paged = [self._batch(g, tables, lens, count_t, cu, positions) for g in groups]
-            if len(paged) == 1 and paged[0].rows.numel() == n:
+            if len(paged) == 1 and paged[0].rows is not None and paged[0].rows.numel() == n:
                 paged = [full]
         self.ctx = Context(
             input_ids=F.pad(torch.tensor(ids), (0, pad)).to(dev),
@@ -245,6 +247,7 @@ class ModelRunner:
         """Write the step's K/V of layer into the cache (after that layer's load landed) and hand
         it to the connector's saves; returns the layer's fp8 scales (or Nones)."""
         ctx, cache = self.ctx, self.kv_caches[layer]
+        assert ctx is not None  # set by prepare() before the layers run
         n = ctx.num_tokens
         if not self.calibrated:
             self.kv_scales[layer, 0] = fp8_scales(k[:n]) * FP8_HEADROOM
@@ -257,6 +260,7 @@ class ModelRunner:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx, cache = self.ctx, self.kv_caches[layer]
+        assert ctx is not None  # set by prepare() before the layers run
         n = ctx.num_tokens
         ks, vs = self.store(layer, k, v)
         out = torch.zeros_like(q)
@@ -300,7 +304,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step through every layer (KV written, hooks called); hidden states [N, hidden]."""
+        """Run the step through every layer (KV written, hooks called); hidden states
+        [N, hidden]."""
         for src, dst in out.copies:  # copy-on-write before anything writes into dst
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
@@ -312,6 +317,7 @@ class ModelRunner:
             )  # fetched and verified: the loaded ranges are known
             report = BlendReport()
             seq = out.blend
+            assert seq.blend is not None  # only a sequence with blend params is out.blend
             h = blend_forward(
                 self,
                 ctx,
@@ -331,4 +337,5 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward the step; fp32 logits [S, vocab] of the sequences that sample, in order."""
         h = self.forward(out)
+        assert self.ctx is not None  # set by forward()
         return self.model.logits(h[self.ctx.logits_indices])[: self.ctx.num_sampled]

@@ -9,13 +9,26 @@ Nothing depends on time or hashing, so a workload always schedules the same way.
 from __future__ import annotations
 
 import bisect
+import os
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.sequence import Sequence, Status
+
+
+class InvariantError(RuntimeError):
+    """The engine's bookkeeping (queues, blocks, prefix tree) no longer adds up: a bug. The
+    storage tiers raise their own (storage_backends.base): the engine imports nothing of theirs."""
+
+
+def check_invariants_enabled() -> bool:
+    """The debug setting TIERKV_CHECK_INVARIANTS=1 (any value but '', 0, false, no, off)."""
+    value = os.environ.get("TIERKV_CHECK_INVARIANTS", "")
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @dataclass(slots=True)
@@ -53,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by seq_id (arrival)
         self.held: dict[str, Sequence] = {}  # finished, blocks kept by the connector
+        self.check_invariants = check_invariants_enabled()  # check_integrity when idle
 
     def add(self, seq: Sequence) -> None:
         if len(seq) < 1:
@@ -172,13 +186,14 @@ class Scheduler:
         out: SchedulerOutput,
         tokens: dict[int, int],
         failed_blocks: set[int],
-        children: list[tuple[Sequence, Sequence]] = (),
+        children: Iterable[tuple[Sequence, Sequence]] = (),
     ) -> list[Sequence]:
         """Advance each scheduled sequence by its step and append its sampled token (tokens is by
         seq_id); roll back sequences whose loaded blocks failed (from the first failed block, the
         sample dropped); add the n > 1 children of parents that sampled their first token.
         Returns the sequences that finished."""
-        bs, finished = self.blocks.block_size, []
+        bs = self.blocks.block_size
+        finished: list[Sequence] = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
             seq.metrics.num_computed_tokens += n
@@ -226,7 +241,17 @@ class Scheduler:
                 self.held[seq.request_id] = seq
             else:
                 self.blocks.free_seq(seq)
+        if finished and self.check_invariants and not self.has_work():
+            self.check_when_idle()
         return finished
+
+    def check_when_idle(self) -> None:
+        """check_integrity, its failure as InvariantError; run when the queues have just
+        emptied, with TIERKV_CHECK_INVARIANTS=1."""
+        try:
+            self.check_integrity()
+        except AssertionError as e:
+            raise InvariantError(str(e) or "engine bookkeeping broken") from e
 
     def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
         seq.token_ids.append(token)

@@ -8,6 +8,7 @@ from enum import Enum, auto
 import torch
 
 from tierkv.engine.blend import BlendParams
+from tierkv.engine.radix import Node
 from tierkv.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    lock: object = None  # the radix node this sequence holds locked (prefix cache)
+    lock: Node | None = None  # the radix node this sequence holds locked (prefix cache)
     num_indexed_blocks: int = 0  # leading blocks already offered to the prefix cache
     finish_reason: str | None = None
     sample_index: int = 0  # which of the request's n samples

@@ -103,7 +103,7 @@ def process_a(target: str) -> None:
 
 
 def process_b(target: str) -> None:
-    from tierkv.engine import Segment
+    from tierkv.engine import PromptPart
 
     docs, qs = corpus()
     cold, _ = engine(None)
@@ -120,7 +120,9 @@ def process_b(target: str) -> None:
                 out, logits = run(llm, flat)
             else:
                 out, logits = run(
-                    llm, [Segment(docs[i]) for i in order] + [Segment(q, reusable=False)], 0.15
+                    llm,
+                    [PromptPart(docs[i]) for i in order] + [PromptPart(q, reusable=False)],
+                    0.15,
                 )
             m = out.metrics
             kl = float(
@@ -202,7 +204,7 @@ def main() -> None:
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(
                         f"tierkv-server did not start: {(tmp / 'server.log').read_text()}"
-                    )
+                    ) from None
                 time.sleep(0.1)
         print(f"tierkv-server on {target} (cache in {tmp / 'cache'})")
         a = json.loads(child("ingest", target))

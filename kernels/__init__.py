@@ -115,7 +115,7 @@ def gather_kv(
         )
         gather_kv(k_cache, v_cache, block_ids, start, length, tmp, k_scale, v_scale, tmp_sc)
         out.copy_(tmp)
-        if tmp_sc is not None:
+        if out_scales is not None and tmp_sc is not None:  # both or neither
             out_scales.copy_(tmp_sc)
         return None
     if use_triton(k_cache):
@@ -161,7 +161,8 @@ def _check_layers(kv_caches: list[torch.Tensor], seg: torch.Tensor) -> None:
     for c in kv_caches:
         if c.dim() != 5 or c.shape[0] != 2:
             raise ValueError(
-                f"each layer cache must be [2, num_blocks, block_size, Hkv, D], got {tuple(c.shape)}"
+                "each layer cache must be [2, num_blocks, block_size, Hkv, D], "
+                f"got {tuple(c.shape)}"
             )
 
 

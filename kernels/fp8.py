@@ -15,6 +15,14 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8
 
 
+def need_scale(scale: torch.Tensor | None) -> torch.Tensor:
+    """The scale of an fp8 tensor, which must be given (the argument checks of the KV and
+    attention ops have already required it): `Tensor | None` narrowed to `Tensor`."""
+    if scale is None:
+        raise ValueError("an fp8 tensor needs its scale")
+    return scale
+
+
 def fp8_scales(x: torch.Tensor, *dims: int) -> torch.Tensor:
     """Scales amax/448 with one entry per index of the kept `dims` (default: -2, the head dim
     of [..., H, D]); amax is taken over every other dim. Result: float32, shape x.shape[dims]."""
@@ -74,5 +82,5 @@ def convert(
         and torch.equal(src_scale.float().cpu(), dst_scale.float().cpu())
     ):
         return x
-    v = dequantize_fp8(x, src_scale) if is_fp8(x) else x
-    return quantize_fp8_ref(v, dst_scale) if dtype == FP8 else v.to(dtype)
+    v = dequantize_fp8(x, need_scale(src_scale)) if is_fp8(x) else x
+    return quantize_fp8_ref(v, need_scale(dst_scale)) if dtype == FP8 else v.to(dtype)

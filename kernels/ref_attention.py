@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tierkv.kernels import cpu
 from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
-from tierkv.kernels.fp8 import is_fp8
+from tierkv.kernels.fp8 import is_fp8, need_scale
 
 PLANS = 8  # plans kept per thread: an engine step makes one call per decode group and layer
 CHUNK = 64  # query rows per masked SDPA call: each call reads keys only up to its last position
@@ -86,7 +86,7 @@ def _dense_kv(
     for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
         x = gather_heads(cache, rows, bt.shape[0], length, i)
         if is_fp8(cache):
-            x = (x.float() * scale.view(1, -1, 1, 1)).to(dtype)
+            x = (x.float() * need_scale(scale).view(1, -1, 1, 1)).to(dtype)
         out.append(x if x.dtype == dtype else x.to(dtype))
     return out[0], out[1]
 
@@ -187,16 +187,18 @@ def _decode(
     reads K and V once and does its fp32 math in tiles, where a bf16 bmm can fall back to a
     slow GEMM on CPUs without native bf16."""
     b, hq, d = q.shape
+    dec_ids, dec_seen = plan.dec_ids, plan.dec_seen
+    assert dec_ids is not None and dec_seen is not None  # called only for a plan with decodes
     if cpu_kernel and cpu.decode_usable(q, k_cache, v_cache):
         return cpu.paged_decode(
-            q, k_cache, v_cache, plan.dec_ids.view(b, -1), plan.dec_seen, scale, k_scale, v_scale
+            q, k_cache, v_cache, dec_ids.view(b, -1), dec_seen, scale, k_scale, v_scale
         )
     hkv = k_cache.shape[2]
     kv = []
     for i, (cache, sc) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
-        x = gather_blocks(cache, plan.dec_ids, b, i)
+        x = gather_blocks(cache, dec_ids, b, i)
         if is_fp8(cache):
-            x = x.float() * sc.view(1, 1, -1, 1)
+            x = x.float() * need_scale(sc).view(1, 1, -1, 1)
         kv.append((x if x.dtype == q.dtype else x.to(q.dtype)).transpose(1, 2))
     o = F.scaled_dot_product_attention(
         q.view(b, hkv, hq // hkv, d), kv[0], kv[1], attn_mask=plan.dec_visible, scale=scale

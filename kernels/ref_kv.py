@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tierkv.kernels.fp8 import convert, fp8_scales, is_fp8
+from tierkv.kernels.fp8 import convert, fp8_scales, is_fp8, need_scale
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -127,9 +127,9 @@ def gather_kv_ref(
         if is_fp8(out):
             # An fp8 segment from an fp8 cache keeps the cache's bytes and scales; from any
             # other cache it gets fresh per-head scales of this range.
-            new = scale.float() if is_fp8(cache) else fp8_scales(x, 1)
-            out_scales[i] = new
-        out[i] = convert(x, out.dtype, scale, out_scales[i] if is_fp8(out) else None)
+            new = need_scale(scale).float() if is_fp8(cache) else fp8_scales(x, 1)
+            need_scale(out_scales)[i] = new
+        out[i] = convert(x, out.dtype, scale, need_scale(out_scales)[i] if is_fp8(out) else None)
 
 
 def scatter_kv_ref(
@@ -147,7 +147,7 @@ def scatter_kv_ref(
     check_segment(src, k_cache, length, src_scales)
     slots = token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])
     for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
-        x = convert(src[i], cache.dtype, src_scales[i] if is_fp8(src) else None, scale)
+        x = convert(src[i], cache.dtype, need_scale(src_scales)[i] if is_fp8(src) else None, scale)
         put_rows(cache, slots, x)
 
 

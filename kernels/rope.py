@@ -15,17 +15,16 @@ from tierkv.kernels.dispatch import use_triton
 def llama_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
     """inv_freq [head_dim/2] float32, computed exactly as transformers' rope init functions."""
     inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (rope_scaling or {}).get(
-        "rope_type", rope_scaling.get("type") if rope_scaling else "default"
-    )
+    scaling = rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type") if scaling else "default")
     if kind in (None, "default"):
         return inv
     if kind != "llama3":
         raise ValueError(f"rope_type {kind!r} not supported (default, llama3)")
     try:
-        factor = rope_scaling["factor"]
-        low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
-        old = rope_scaling["original_max_position_embeddings"]
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
     except KeyError as e:
         raise ValueError(f"llama3 rope_scaling needs {e.args[0]!r}") from None
     low_wavelen, high_wavelen = old / low, old / high

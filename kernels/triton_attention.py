@@ -18,7 +18,7 @@ import triton.language as tl
 
 from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
 from tierkv.kernels.fp8 import is_fp8
-from tierkv.kernels.triton_common import cdiv, rmax, rsum
+from tierkv.kernels.triton_common import cdiv, launch, rmax, rsum
 
 
 @triton.jit
@@ -184,11 +184,11 @@ def _combine_kernel(
     head = tl.program_id(1)
     row = (tok * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml + row * 2)
-    l = tl.load(part_ml + row * 2 + 1)
+    l_split = tl.load(part_ml + row * 2 + 1)  # each split's softmax denominator
     m_max = rmax(m, 0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp(m - m_safe)  # an empty split has m = -inf: weight 0
-    total = rsum(w * l, 0)
+    total = rsum(w * l_split, 0)
     offs_d = tl.arange(0, D_PAD)
     acc = tl.load(part_acc + row[:, None] * D_PAD + offs_d[None, :])
     o = rsum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -309,7 +309,7 @@ def paged_attention_triton(
     ks = k_scale if fp8 else out
     vs = v_scale if fp8 else out
     grid = (nq // block_q + b, hkv, num_splits)
-    _attn_kernel[grid](
+    launch(_attn_kernel, grid)(
         q,
         k_cache,
         v_cache,
@@ -349,7 +349,7 @@ def paged_attention_triton(
         num_warps=num_warps,
     )
     if num_splits > 1:
-        _combine_kernel[(nq, hq)](
+        launch(_combine_kernel, (nq, hq))(
             part_acc,
             part_ml,
             out,

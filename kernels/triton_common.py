@@ -7,9 +7,35 @@ runs element by element) and the compiler treats exactly as tl.max / tl.sum do."
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
+
+from tierkv.kernels.dispatch import interpret
+
+_INTERPRETER = threading.Lock()
+
+
+def launch(kernel: Any, grid: tuple[int, ...]) -> Callable[..., Any]:
+    """`kernel[grid]`, serialized process-wide under TRITON_INTERPRET=1.
+
+    Triton's interpreter keeps the launch grid in module-global state, so two threads that
+    launch at once (the connector's loop thread scattering loaded KV while the forward runs)
+    read each other's grid and fail with 'x >= grid_dim[0]'. Compiled launches are
+    thread-safe and take no lock."""
+    run = kernel[grid]
+    if not interpret():
+        return run
+
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _INTERPRETER:
+            return run(*args, **kwargs)
+
+    return locked
 
 
 @triton.jit

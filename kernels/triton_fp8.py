@@ -8,6 +8,7 @@ import triton.language as tl
 
 from tierkv.kernels.dispatch import interpret
 from tierkv.kernels.fp8 import FP8
+from tierkv.kernels.triton_common import launch
 
 
 @triton.jit
@@ -44,7 +45,7 @@ def quantize_fp8_triton(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return out.to(FP8)
     hd_pad = triton.next_power_of_2(h * d)
     block_r = max(1, min(64, 4096 // hd_pad))
-    _quant_kernel[(triton.cdiv(rows, block_r),)](
+    launch(_quant_kernel, (triton.cdiv(rows, block_r),))(
         x, scale.float().contiguous(), out, rows, HD=h * d, HEAD_D=d, HD_PAD=hd_pad, BLOCK_R=block_r
     )
     return out.to(FP8)

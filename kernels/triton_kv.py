@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tierkv.kernels.dispatch import interpret
-from tierkv.kernels.fp8 import FP8, FP8_MAX, is_fp8
+from tierkv.kernels.fp8 import FP8, FP8_MAX, is_fp8, need_scale
 from tierkv.kernels.ref_kv import (
     check_cache_pair,
     check_segment,
@@ -21,7 +21,7 @@ from tierkv.kernels.ref_kv import (
     put_rows,
     token_slots,
 )
-from tierkv.kernels.triton_common import rmax
+from tierkv.kernels.triton_common import launch, rmax
 
 
 @triton.jit
@@ -127,7 +127,8 @@ def _move_kernel(
         x = tl.load(seg_ptr + s_off, mask=mask, other=0.0)
     head = col // HEAD_D
     if AMAX_ONLY:
-        # First pass of a gather into a fresh fp8 segment: per-column amax, reduced to heads on the host.
+        # First pass of a gather into a fresh fp8 segment: per-column amax, reduced to heads on
+        # the host.
         tl.atomic_max(amax_ptr + col, rmax(tl.abs(x.to(tl.float32)), 0), mask=col_ok)
     else:
         dst = seg_ptr if TO_SEG else cache_ptr
@@ -178,10 +179,10 @@ def write_kv_triton(
     hd, hd_pad, d = _hd_pad(k_cache)
     k, v = k.contiguous(), v.contiguous()
     fp8 = is_fp8(k_cache)
-    ks = k_scale.float().contiguous() if fp8 else k
-    vs = v_scale.float().contiguous() if fp8 else v
+    ks = need_scale(k_scale).float().contiguous() if fp8 else k
+    vs = need_scale(v_scale).float().contiguous() if fp8 else v
     stage = _stage(fp8, 2 * k.shape[0] * hd, k.device)
-    _write_kernel[(k.shape[0],)](
+    launch(_write_kernel, (k.shape[0],))(
         k,
         v,
         k_cache,
@@ -222,11 +223,11 @@ def _move(
     block_t = max(1, min(64, 4096 // hd_pad))
     src, dst = (cache, seg) if to_seg else (seg, cache)
     src_fp8, dst_fp8 = is_fp8(src), is_fp8(dst)
-    if src_fp8 and dst_fp8 and torch.equal(src_sc, dst_sc):
+    if src_fp8 and dst_fp8 and torch.equal(need_scale(src_sc), need_scale(dst_sc)):
         src_fp8 = dst_fp8 = False  # same scales: the bytes move as they are
     dummy = amax if amax is not None else seg
     stage = _stage(dst_fp8 and amax is None, length * hd, cache.device)
-    _move_kernel[(triton.cdiv(length, block_t),)](
+    launch(_move_kernel, (triton.cdiv(length, block_t),))(
         cache,
         seg,
         block_ids,
@@ -281,13 +282,13 @@ def gather_kv_triton(
     for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
         if is_fp8(out):
             if is_fp8(cache):
-                out_scales[i] = scale.float()
+                need_scale(out_scales)[i] = need_scale(scale).float()
             else:
                 amax = torch.zeros(h * k_cache.shape[3], dtype=torch.float32, device=cache.device)
                 _move(cache, out[i], block_ids, start, length, None, None, True, amax)
-                out_scales[i] = amax.view(h, -1).amax(1).clamp(min=1e-12) / FP8_MAX
-        dst_sc = out_scales[i].float().contiguous() if is_fp8(out) else None
-        src_sc = scale.float().contiguous() if is_fp8(cache) else None
+                need_scale(out_scales)[i] = amax.view(h, -1).amax(1).clamp(min=1e-12) / FP8_MAX
+        dst_sc = need_scale(out_scales)[i].float().contiguous() if is_fp8(out) else None
+        src_sc = need_scale(scale).float().contiguous() if is_fp8(cache) else None
         _move(cache, out[i], block_ids, start, length, src_sc, dst_sc, True)
 
 
@@ -310,8 +311,8 @@ def scatter_kv_triton(
     if src.stride(1) != src.shape[2] * src.shape[3] or src.stride(3) != 1:
         raise ValueError("segment rows must be contiguous")
     for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
-        src_sc = src_scales[i].float().contiguous() if is_fp8(src) else None
-        dst_sc = scale.float().contiguous() if is_fp8(cache) else None
+        src_sc = need_scale(src_scales)[i].float().contiguous() if is_fp8(src) else None
+        dst_sc = need_scale(scale).float().contiguous() if is_fp8(cache) else None
         _move(cache, src[i], block_ids, start, length, src_sc, dst_sc, False)
 
 

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tierkv.kernels.triton_common import launch
+
 
 @triton.jit
 def _rope_kernel(
@@ -51,7 +53,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         return out
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
-    _rope_kernel[(n,)](
+    launch(_rope_kernel, (n,))(
         x,
         cos,
         sin,

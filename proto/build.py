@@ -1,4 +1,5 @@
-"""Generate proto/tierkv_pb2.py and proto/tierkv_pb2_grpc.py from proto/tierkv.proto.
+"""Generate proto/tierkv_pb2.py, its type stub tierkv_pb2.pyi, and proto/tierkv_pb2_grpc.py
+from proto/tierkv.proto.
 
 Run as `python -m tierkv.proto.build` (or `make proto`). protoc names a generated module
 after the .proto's path under its include root, so the source is compiled from a scratch
@@ -15,7 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "tierkv.proto"
-OUTPUTS = ("tierkv_pb2.py", "tierkv_pb2_grpc.py")
+OUTPUTS = ("tierkv_pb2.py", "tierkv_pb2.pyi", "tierkv_pb2_grpc.py")
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -31,6 +32,7 @@ def generate(out_dir: Path) -> list[Path]:
             "protoc",
             f"-I{tmp}",
             f"--python_out={tmp}",
+            f"--pyi_out={tmp}",  # the message classes' types, for mypy
             f"--grpc_python_out={tmp}",
             str(tree / SOURCE.name),
         ]

@@ -2,8 +2,12 @@
 
 from tierkv.storage_backends.base import (
     DEFAULT_NAMESPACE,
-    LayerChunk,
+    BaseTier,
+    IndexedTier,
+    InvariantError,
     Lease,
+    MiB,
+    SegmentLayer,
     Tier,
     TierStats,
     check_key,
@@ -12,22 +16,35 @@ from tierkv.storage_backends.base import (
     parse_size,
 )
 from tierkv.storage_backends.keys import ChunkHasher, Salt
-from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
+from tierkv.storage_backends.segment import (
+    DTYPES,
+    KVSegment,
+    SegmentError,
+    SegmentHeader,
+    decode_layer,
+    dtype_name,
+)
 
 __all__ = [
     "DEFAULT_NAMESPACE",
+    "DTYPES",
+    "BaseTier",
     "ChunkHasher",
+    "IndexedTier",
+    "InvariantError",
     "KVSegment",
-    "LayerChunk",
     "Lease",
+    "MiB",
     "Salt",
     "SegmentError",
     "SegmentHeader",
+    "SegmentLayer",
     "Tier",
     "TierStats",
     "check_key",
     "check_namespace",
     "decode_layer",
+    "dtype_name",
     "format_size",
     "parse_size",
 ]

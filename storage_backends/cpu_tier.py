@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tierkv.storage_backends.base import (
-    DEFAULT_NAMESPACE,
     IndexedTier,
-    Latency,
-    LayerChunk,
-    Leases,
-    TierStats,
-    check_key,
-    check_namespace,
+    InvariantError,
+    SegmentLayer,
+    invariant,
     parse_size,
 )
-from tierkv.storage_backends.buffers import copy_into, out_view
+from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.pages import PageAllocator, runs
 from tierkv.storage_backends.segment import (
     KVSegment,
@@ -37,9 +32,7 @@ class CpuTierConfig:
     page_bytes: int | str = (
         "256KiB"  # allocation unit; a segment wastes at most one page less a byte
     )
-    pin_memory: bool | None = (
-        None  # page-lock the buffer for fast H2D copies; None: when CUDA is present
-    )
+    pin_memory: bool | None = None  # page-lock the buffer for fast H2D copies; None: with CUDA
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
     # Re-check layer checksums on every read. The tier holds only bytes it copied itself from
     # checked or locally computed segments, so this guards against memory corruption alone,
@@ -63,7 +56,7 @@ class CpuEntry:
     pages: list[int]
 
 
-class CpuTier(IndexedTier):
+class CpuTier(IndexedTier[CpuEntry]):
     """Host-memory tier. Not thread-safe: use it from one event loop. Every operation runs
     without awaiting, so a get never sees a half-written or half-evicted segment. Checksums
     are checked on get only with verify_gets (see CpuTierConfig); the gpu tier does the same."""
@@ -73,79 +66,59 @@ class CpuTier(IndexedTier):
     def __init__(self, config: CpuTierConfig | None = None) -> None:
         self.config = config or CpuTierConfig()
         c = self.config
+        self.page_bytes = pb = parse_size(c.page_bytes)
         pin = torch.cuda.is_available() if c.pin_memory is None else c.pin_memory
-        num_pages = c.capacity_bytes // c.page_bytes
-        self._buf = torch.empty(num_pages * c.page_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._mv = memoryview(self._buf.numpy())
+        num_pages = parse_size(c.capacity_bytes) // pb
+        self._buf = torch.empty(num_pages * pb, dtype=torch.uint8, pin_memory=pin)
+        self._mv = self._buf.numpy().data
         self.pinned = pin
         self.pages = PageAllocator(num_pages)
-        self.index: OrderedDict[tuple[str, bytes], CpuEntry] = (
-            OrderedDict()
-        )  # LRU order: oldest first
-        self.counts: dict[str, int] = {}
-        self.leases = Leases()
-        self._stats = TierStats(
-            name=self.name,
-            capacity_bytes=num_pages * c.page_bytes,
+        self._start_index(
+            num_pages * pb,
+            c.lease_ttl_s,
             device="cpu",
             notes="pinned" if pin else "pageable",
         )
-        self._get_lat, self._put_lat = Latency(), Latency()
 
     # -- reading ---------------------------------------------------------------------------
-    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
-        check_namespace(ns)
-        t0 = time.perf_counter()
-        entry = self.index.get((ns, check_key(key)))
+    async def _read(self, ns: str, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
+        entry = self.index.get((ns, key))
         if entry is None:
-            self._stats.misses += 1
             return None
         h = entry.header
         try:
-            if out is not None and h.codec == "none":
-                dst = out_view(out, h.payload_raw_nbytes)
-                if dst is not None:
-                    for i, (off, n) in enumerate(h.layers):  # check each layer while it is in cache
-                        part = dst[off - h.header_nbytes : off - h.header_nbytes + n]
-                        self._gather(entry, off, off + n, part)
-                        if self.config.verify_gets and checksum(part) != h.checksums[i]:
-                            raise SegmentError(f"layer {i}: checksum mismatch")
-                    seg = KVSegment.from_raw(h, dst, verify=False)
-                else:
-                    seg = copy_into(self._read(entry), h, out)
-            else:
-                seg = self._read(entry)
-                seg = copy_into(seg, h, out) if out is not None else seg
+            dst = (
+                out_view(out, h.payload_raw_nbytes)
+                if out is not None and h.codec == "none"
+                else None
+            )
+            if dst is None:
+                return self._copy(entry), h.nbytes
+            for i, (off, n) in enumerate(h.layers):  # check each layer while it is in cache
+                part = dst[off - h.header_nbytes : off - h.header_nbytes + n]
+                self._gather(entry, off, off + n, part)
+                if self.config.verify_gets and checksum(part) != h.checksums[i]:
+                    raise SegmentError(f"layer {i}: checksum mismatch")
+            return KVSegment.from_raw(h, dst, verify=False), h.nbytes
         except SegmentError:
             self._corrupt(ns, key)
             return None
-        self.index.move_to_end((ns, key))
-        self._stats.hits += 1
-        self._stats.bytes_out += h.nbytes
-        self._get_lat.add(time.perf_counter() - t0)
-        return seg
 
-    def _read(self, entry: CpuEntry) -> KVSegment:
+    def _copy(self, entry: CpuEntry) -> KVSegment:
         """A verified copy of the whole encoded segment, owned by the caller."""
         buf = memoryview(bytearray(entry.header.nbytes))
         self._gather(entry, 0, len(buf), buf)
         return KVSegment.from_parts(entry.header, buf, verify=self.config.verify_gets)
 
     def _gather(self, entry: CpuEntry, start: int, stop: int, dst: memoryview) -> None:
-        pb = self.config.page_bytes
-        for at, logical, n in runs(entry.pages, pb, start, stop):
+        for at, logical, n in runs(entry.pages, self.page_bytes, start, stop):
             dst[logical - start : logical - start + n] = self._mv[at : at + n]
 
-    async def get_layers(
-        self, key: bytes, ns: str = DEFAULT_NAMESPACE
-    ) -> AsyncIterator[LayerChunk]:
-        check_namespace(ns)
-        entry = self.index.get((ns, check_key(key)))
+    async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
+        entry = self.index.get((ns, key))
         if entry is None:
-            self._stats.misses += 1
             return
         h = entry.header
-        self._stats.hits += 1
         scratch = memoryview(bytearray(max(n for _, n in h.layers)))
         with self.lease(key, ns):
             for i, (off, n) in enumerate(h.layers):
@@ -159,96 +132,52 @@ class CpuTier(IndexedTier):
                     except SegmentError:
                         self._corrupt(ns, key)
                         return
-                self._stats.bytes_out += n
-                yield LayerChunk(h, i, data)
+                yield SegmentLayer(h, i, data)
 
     # -- writing ---------------------------------------------------------------------------
-    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
-        check_namespace(ns)
-        if segment.key != check_key(key):
-            raise ValueError("segment.key does not match key")
-        t0 = time.perf_counter()
-        if (ns, key) in self.index:  # keys name their content: the same key is the same KV
-            self.index.move_to_end((ns, key))
-            return True
+    async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
         try:
             h, head, blobs = segment.encode_parts()
         except SegmentError:
             self._stats.errors += 1
-            return False
-        pb = self.config.page_bytes
-        need = -(-h.nbytes // pb)
-        if need > self.pages.num_pages or not self._make_room(need):
-            return False
+            return None
+        need = -(-h.nbytes // self.page_bytes)
+        if not self._make_room(need * self.page_bytes):
+            return None
         pages = self.pages.alloc(need)
+        if pages is None:  # _make_room made the room: the allocator disagrees with the index
+            raise InvariantError(f"{need} pages fit by the index, not by the allocator")
         entry = CpuEntry(h, pages)
-        self._scatter(entry, 0, head)
+        self._scatter(entry, 0, memoryview(head))
         for (off, _), blob in zip(h.layers, blobs):
             self._scatter(entry, off, memoryview(blob).cast("B"))
-        self.index[(ns, key)] = entry
-        self.counts[ns] = self.counts.get(ns, 0) + 1
-        self._stats.puts += 1
-        self._stats.bytes_in += h.nbytes
-        self._put_lat.add(time.perf_counter() - t0)
-        return True
+        self._add(ns, key, entry)
+        return h.nbytes
 
     def _scatter(self, entry: CpuEntry, start: int, src: memoryview) -> None:
-        for at, logical, n in runs(entry.pages, self.config.page_bytes, start, start + len(src)):
+        for at, logical, n in runs(entry.pages, self.page_bytes, start, start + len(src)):
             self._mv[at : at + n] = src[logical - start : logical - start + n]
 
-    def _make_room(self, need: int) -> bool:
-        """Evict unleased entries, least recently used first, until `need` pages are free."""
-        if self.pages.num_free >= need:
-            return True
-        victims, free = [], self.pages.num_free
-        for ident, entry in self.index.items():
-            if free >= need:
-                break
-            if not self.leases.held(*ident):
-                victims.append(ident)
-                free += len(entry.pages)
-        if free < need:
-            return False  # nothing is evicted unless it makes enough room
-        for ns, key in victims:
-            if self.on_evict is not None:
-                try:
-                    self.on_evict(ns, key, self._read(self.index[(ns, key)]))
-                except SegmentError:
-                    self._stats.errors += 1
-            self._remove(ns, key)
-            self._stats.evictions += 1
-        return True
+    # -- the index's hooks -----------------------------------------------------------------
+    def _entry_bytes(self, entry: CpuEntry) -> int:
+        return len(entry.pages) * self.page_bytes
 
-    async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
-        check_namespace(ns)
-        return self._remove(ns, check_key(key))
-
-    def _remove(self, ns: str, key: bytes) -> bool:
-        entry = self.index.pop((ns, key), None)
-        if entry is None:
-            return False
+    def _release(self, entry: CpuEntry) -> None:
         self.pages.release(entry.pages)
-        self.counts[ns] -= 1
-        if not self.counts[ns]:
-            del self.counts[ns]
-        return True
 
-    # -- bookkeeping -----------------------------------------------------------------------
-    @property
-    def used_bytes(self) -> int:
-        return (self.pages.num_pages - self.pages.num_free) * self.config.page_bytes
+    def _evicted(self, entry: CpuEntry) -> KVSegment:
+        return self._copy(entry)
 
-    def check_integrity(self) -> None:
-        """Allocator and index agree: no overlap, no leak, usage within capacity."""
+    def _check_entries(self) -> None:
+        """The allocator agrees with the index: no overlap, no leak; each segment fits its pages."""
         self.pages.check_integrity(e.pages for e in self.index.values())
         for e in self.index.values():
-            assert len(e.pages) * self.config.page_bytes >= e.header.nbytes, (
-                "segment larger than its pages"
+            invariant(
+                len(e.pages) * self.page_bytes >= e.header.nbytes, "segment larger than its pages"
             )
-        assert self.used_bytes <= self._stats.capacity_bytes, "above capacity"
-        assert sum(self.counts.values()) == len(self.index), "namespace counts drifted"
 
     async def close(self) -> None:
         self.index.clear()
         self.counts.clear()
+        self.used_bytes = 0
         self.pages = PageAllocator(self.pages.num_pages)

@@ -1,31 +1,20 @@
-"""The disk tier: one self-describing segment file per entry, under root/<namespace>/<keyhex>.tkv."""
+"""The disk tier: one self-describing segment file per entry, root/<namespace>/<keyhex>.tkv."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import re
-import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiofiles
 
-from tierkv.storage_backends.base import (
-    DEFAULT_NAMESPACE,
-    IndexedTier,
-    Latency,
-    LayerChunk,
-    Leases,
-    TierStats,
-    check_key,
-    check_namespace,
-    parse_size,
-)
-from tierkv.storage_backends.buffers import copy_into, out_view
+from tierkv.storage_backends.base import IndexedTier, SegmentLayer, check_namespace, parse_size
+from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.segment import (
     PREFIX_NBYTES,
     KVSegment,
@@ -66,7 +55,7 @@ class DiskEntry:
     prefix: bytes  # the file's first PREFIX_NBYTES, which hold the header's checksum
 
 
-class DiskTier(IndexedTier):
+class DiskTier(IndexedTier[DiskEntry]):
     """File tier. Writes go to a temp name, are fsynced, then renamed: a reader sees a whole file
     or none. At start the index is rebuilt from the file headers (LRU order by mtime); temp,
     partial and corrupt files are removed. A read or write fault is a miss or False, counted."""
@@ -75,17 +64,11 @@ class DiskTier(IndexedTier):
 
     def __init__(self, config: DiskTierConfig | None = None) -> None:
         self.config = config or DiskTierConfig()
-        self.root: Path = self.config.root
-        self.index: OrderedDict[tuple[str, bytes], DiskEntry] = OrderedDict()
-        self.counts: dict[str, int] = {}
-        self.leases = Leases()
-        self.used_bytes = 0  # bytes of indexed files
-        self.reserved_bytes = 0  # bytes of files being written
-        self._pending: dict[tuple[str, bytes], asyncio.Future] = {}
-        self._stats = TierStats(
-            name=self.name, capacity_bytes=self.config.capacity_bytes, device=str(self.root)
+        self.root = Path(self.config.root)
+        self._pending: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
+        self._start_index(
+            parse_size(self.config.capacity_bytes), self.config.lease_ttl_s, device=str(self.root)
         )
-        self._get_lat, self._put_lat = Latency(), Latency()
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -108,7 +91,7 @@ class DiskTier(IndexedTier):
                         found.append((f.stat().st_mtime_ns, ns, got, f))
         for _, ns, (header, prefix), f in sorted(found, key=lambda x: x[0]):
             self._add(ns, header.key, DiskEntry(f, header, prefix))
-        while self.used_bytes > self.config.capacity_bytes:  # the capacity was lowered
+        while self.used_bytes > self.capacity_bytes:  # the capacity was lowered
             ns, key = next(iter(self.index))
             self._remove(ns, key)
             self._stats.evictions += 1
@@ -117,12 +100,9 @@ class DiskTier(IndexedTier):
         return self.root / ns / f"{key.hex()}.tkv"
 
     # -- reading ---------------------------------------------------------------------------
-    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
-        check_namespace(ns)
-        t0 = time.perf_counter()
-        entry = self.index.get((ns, check_key(key)))
+    async def _read(self, ns: str, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
+        entry = self.index.get((ns, key))
         if entry is None:
-            self._stats.misses += 1
             return None
         h = entry.header
         dst = out_view(out, h.payload_raw_nbytes) if out is not None and h.codec == "none" else None
@@ -147,34 +127,19 @@ class DiskTier(IndexedTier):
                 ):  # a cold read: few large reads, as each aiofiles call is a thread hop
                     await read_aio(entry.path, [head] if dst is None else [head, dst], h.nbytes)
             check_same_header(entry.prefix, head[: h.header_nbytes])
-            if dst is not None:
-                seg = KVSegment.from_raw(
-                    h, dst, verify=not cached
-                )  # cached reads were checked per layer
-            else:
-                seg = KVSegment.from_parts(h, head)
-                seg = copy_into(seg, h, out) if out is not None else seg
+            if dst is not None:  # cached reads were checked per layer
+                return KVSegment.from_raw(h, dst, verify=not cached), h.nbytes
+            return KVSegment.from_parts(h, head), h.nbytes
         except (OSError, SegmentError):
             self._corrupt(ns, key)
             return None
-        if (ns, key) in self.index:
-            self.index.move_to_end((ns, key))
-        self._stats.hits += 1
-        self._stats.bytes_out += h.nbytes
-        self._get_lat.add(time.perf_counter() - t0)
-        return seg
 
-    async def get_layers(
-        self, key: bytes, ns: str = DEFAULT_NAMESPACE
-    ) -> AsyncIterator[LayerChunk]:
-        check_namespace(ns)
-        entry = self.index.get((ns, check_key(key)))
+    async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
+        entry = self.index.get((ns, key))
         if entry is None:
-            self._stats.misses += 1
             return
         h = entry.header
         scratch = memoryview(bytearray(max(n for _, n in h.layers)))
-        self._stats.hits += 1
         with self.lease(key, ns):
             try:
                 async with aiofiles.open(entry.path, "rb") as f:
@@ -187,41 +152,33 @@ class DiskTier(IndexedTier):
                         if await f.readinto(data) != n:
                             raise SegmentError(f"truncated layer {i}")
                         decode_layer(h, i, data)
-                        self._stats.bytes_out += n
-                        yield LayerChunk(h, i, data)
+                        yield SegmentLayer(h, i, data)
             except (OSError, SegmentError):
                 self._corrupt(ns, key)
 
     # -- writing ---------------------------------------------------------------------------
-    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
-        check_namespace(ns)
-        if segment.key != check_key(key):
-            raise ValueError("segment.key does not match key")
+    async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
         ident = (ns, key)
-        if ident in self.index:  # keys name their content: the same key is the same KV
-            self.index.move_to_end(ident)
-            return True
         if ident in self._pending:  # the same key being written: share that write's result
-            return await asyncio.shield(self._pending[ident])
+            return 0 if await asyncio.shield(self._pending[ident]) else None
         fut = asyncio.get_running_loop().create_future()
         self._pending[ident] = fut
-        ok = False
+        n = None
         try:
-            ok = await self._write(ns, key, segment)
+            n = await self._write_file(ns, key, segment)
         finally:
             del self._pending[ident]
-            fut.set_result(ok)
-        return ok
+            fut.set_result(n is not None)
+        return n
 
-    async def _write(self, ns: str, key: bytes, segment: KVSegment) -> bool:
-        t0 = time.perf_counter()
+    async def _write_file(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
         try:
             h, head, blobs = segment.encode_parts()
         except SegmentError:
             self._stats.errors += 1
-            return False
+            return None
         if not self._make_room(h.nbytes):
-            return False
+            return None
         self.reserved_bytes += h.nbytes  # reserved now, so concurrent writes cannot overshoot
         path = self._path(ns, key)
         tmp = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:8]}.tmp")
@@ -241,67 +198,24 @@ class DiskTier(IndexedTier):
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
-            return False
+            return None
         finally:
             self.reserved_bytes -= h.nbytes
         self._add(ns, key, DiskEntry(path, h, bytes(head[:PREFIX_NBYTES])))
-        self._stats.puts += 1
-        self._stats.bytes_in += h.nbytes
-        self._put_lat.add(time.perf_counter() - t0)
-        return True
+        return h.nbytes
 
-    def _make_room(self, n: int) -> bool:
-        free = self.config.capacity_bytes - self.used_bytes - self.reserved_bytes
-        if n > self.config.capacity_bytes:
-            return False
-        victims = []
-        for ident, entry in self.index.items():
-            if free >= n:
-                break
-            if not self.leases.held(*ident):
-                victims.append(ident)
-                free += entry.header.nbytes
-        if free < n:
-            return False
-        for ns, key in victims:
-            if self.on_evict is not None:
-                seg = load(self.index[(ns, key)].path)
-                if seg is not None:
-                    self.on_evict(ns, key, seg)
-            self._remove(ns, key)
-            self._stats.evictions += 1
-        return True
+    # -- the index's hooks -----------------------------------------------------------------
+    def _entry_bytes(self, entry: DiskEntry) -> int:
+        return entry.header.nbytes
 
-    def _add(self, ns: str, key: bytes, entry: DiskEntry) -> None:
-        self.index[(ns, key)] = entry
-        self.counts[ns] = self.counts.get(ns, 0) + 1
-        self.used_bytes += entry.header.nbytes
-
-    async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
-        check_namespace(ns)
-        return self._remove(ns, check_key(key))
-
-    def _remove(self, ns: str, key: bytes) -> bool:
-        entry = self.index.pop((ns, key), None)
-        if entry is None:
-            return False
-        self.used_bytes -= entry.header.nbytes
-        self.counts[ns] -= 1
-        if not self.counts[ns]:
-            del self.counts[ns]
+    def _release(self, entry: DiskEntry) -> None:
         try:
             entry.path.unlink(missing_ok=True)
         except OSError:
             self._stats.errors += 1
-        return True
 
-    # -- bookkeeping -----------------------------------------------------------------------
-    def check_integrity(self) -> None:
-        assert self.used_bytes == sum(e.header.nbytes for e in self.index.values()), (
-            "used bytes drifted"
-        )
-        assert self.used_bytes + self.reserved_bytes <= self.config.capacity_bytes, "above capacity"
-        assert sum(self.counts.values()) == len(self.index), "namespace counts drifted"
+    def _evicted(self, entry: DiskEntry) -> KVSegment | None:
+        return load(entry.path)
 
     async def close(self) -> None:
         for fut in list(self._pending.values()):

@@ -36,8 +36,10 @@ FIXED = struct.Struct("<16s16sIIIIqBBBBI")
 LAYER = struct.Struct("<QQQ")
 PREFIX_NBYTES = PREFIX.size
 ALIGN = 64
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
-DTYPE_NAMES = list(ITEMSIZE)
+# The one table of kv dtypes a segment can hold: torch's name of each, and its bytes per
+# element. A name's position is its code in the header: append only (codes are on disk).
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+DTYPE_NAMES: tuple[str, ...] = tuple(ITEMSIZE)
 QUANTS = ["none", "fp8_e4m3"]
 CODECS = ["none", "lz4", "shuffle+lz4"]
 MAX_DIM = 1 << 24  # bounds each shape field so garbage cannot ask for a huge allocation

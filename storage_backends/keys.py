@@ -2,7 +2,8 @@
 
 prefix keys (chained):   k_0 = H(salt || tokens_0),  k_i = H(k_{i-1} || tokens_i)
 segment keys (position-free):  H(salt || b"segment" || tokens)
-segment keys after a declared shared prefix P:  H(salt || b"after-prefix" || prefix_key(P) || tokens)
+segment keys after a declared shared prefix P:
+    H(salt || b"after-prefix" || prefix_key(P) || tokens)
 where salt = Salt.digest() (16 bytes), tokens are little-endian int32 bytes and prefix_key(P)
 is the chained key of P's last chunk (partial when P is not chunk-aligned).
 """
@@ -16,9 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from tierkv.storage_backends.base import check_namespace
-
-KEY_NBYTES = 16
+from tierkv.storage_backends.base import KEY_NBYTES, check_namespace
 
 
 def _field(s: str) -> bytes:
@@ -47,7 +46,8 @@ class Salt:
         check_namespace(self.namespace)
 
     def fingerprint(self) -> bytes:
-        """16 bytes binding model, KV format, TP and chunk size (not the tenant): stored in headers."""
+        """16 bytes binding model, KV format, TP and chunk size (not the tenant): stored in
+        headers."""
         data = (
             b"tierkv-salt-v1"
             + _field(self.model_fingerprint)
@@ -96,7 +96,7 @@ class ChunkHasher:
     def prefix_keys(self, tokens, partial: bool = False) -> list[bytes]:
         """One chained key per full chunk (and the partial last chunk when partial)."""
         arr = as_tokens(tokens)
-        mv = memoryview(arr).cast("B")
+        mv = arr.data.cast("B")
         keys: list[bytes] = []
         prev = self._seed
         for a, b in self.chunks(arr, partial):
@@ -124,7 +124,7 @@ class ChunkHasher:
                 raise ValueError(f"a prefix key has {KEY_NBYTES} bytes, got {len(after)}")
             h.update(b"after-prefix")
             h.update(after)
-        h.update(memoryview(as_tokens(tokens)).cast("B"))
+        h.update(as_tokens(tokens).data.cast("B"))
         return h.digest()
 
     def prefix_length(self, present: Sequence[bool]) -> int:

@@ -6,6 +6,8 @@ import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from tierkv.storage_backends.base import invariant
+
 
 @dataclass(slots=True)
 class PageAllocator:
@@ -41,17 +43,17 @@ class PageAllocator:
             heapq.heappush(self.free, p)
 
     def check_integrity(self, segments: Iterable[list[int]]) -> None:
-        """Every page is either free or in exactly one segment; raises AssertionError if not."""
+        """Every page is either free or in exactly one segment; InvariantError if not."""
         seen: set[int] = set()
         for pages in segments:
             for p in pages:
-                assert 0 <= p < self.num_pages, f"page {p} out of range"
-                assert p not in seen, f"page {p} is in two segments"
+                invariant(0 <= p < self.num_pages, f"page {p} out of range")
+                invariant(p not in seen, f"page {p} is in two segments")
                 seen.add(p)
-        assert seen == self.owned, f"leak: {len(self.owned - seen)} owned pages in no segment"
-        assert len(set(self.free)) == len(self.free), "a page is free twice"
-        assert not seen & set(self.free), "a page is both free and in a segment"
-        assert len(seen) + len(self.free) == self.num_pages, "pages lost"
+        invariant(seen == self.owned, f"leak: {len(self.owned - seen)} owned pages in no segment")
+        invariant(len(set(self.free)) == len(self.free), "a page is free twice")
+        invariant(not seen & set(self.free), "a page is both free and in a segment")
+        invariant(len(seen) + len(self.free) == self.num_pages, "pages lost")
 
 
 def runs(

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -26,14 +27,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.storage_backends.base import (
     DEFAULT_NAMESPACE,
-    Latency,
-    LayerChunk,
-    Tier,
+    BaseTier,
+    SegmentLayer,
     TierStats,
-    check_key,
     check_namespace,
 )
-from tierkv.storage_backends.buffers import copy_into
 from tierkv.storage_backends.segment import (
     PREFIX_NBYTES,
     KVSegment,
@@ -68,16 +66,16 @@ class _Health:
     down: bool = False
 
 
+T = TypeVar("T")
+
+
 @dataclass(slots=True, eq=False)
-class RedisTier(Tier):
+class RedisTier(BaseTier):
     config: RedisTierConfig = field(default_factory=RedisTierConfig)
     name: str = "redis"
     client: aioredis.Redis | RedisCluster = field(init=False)
     health: _Health = field(default_factory=_Health)
-    counters: TierStats = field(init=False)
     counts: dict[str, int] = field(default_factory=dict)  # ns -> entries, as of the last scan_count
-    get_lat: Latency = field(default_factory=Latency)
-    put_lat: Latency = field(default_factory=Latency)
     on_evict: None = None  # Redis evicts by itself (TTL, maxmemory); nothing to demote to
 
     def __post_init__(self) -> None:
@@ -85,23 +83,23 @@ class RedisTier(Tier):
         url, cluster = c.url, c.cluster
         if url.startswith("redis+cluster://"):
             url, cluster = "redis://" + url[len("redis+cluster://") :], True
-        opts = dict(socket_timeout=c.timeout_s, socket_connect_timeout=c.timeout_s)
+        opts: dict[str, Any] = dict(socket_timeout=c.timeout_s, socket_connect_timeout=c.timeout_s)
         if cluster:
             self.client = RedisCluster.from_url(url, **opts)
         else:
             # No client-side retries: the tier's own backoff decides when to try again.
             self.client = aioredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts)
-        self.counters = TierStats(name=self.name, device="redis-cluster" if cluster else "redis")
+        self._start_stats(device="redis-cluster" if cluster else "redis")
 
-    def _key(self, key: bytes, ns: str) -> str:
-        return f"tierkv:{check_namespace(ns)}:{check_key(key).hex()}"
+    def _name(self, ns: str, key: bytes) -> str:
+        return f"tierkv:{ns}:{key.hex()}"
 
     def _up(self) -> bool:
         return time.monotonic() >= self.health.until
 
     def _fault(self, op: str, e: BaseException) -> None:
         h, c, now = self.health, self.config, time.monotonic()
-        self.counters.errors += 1
+        self._stats.errors += 1
         h.pause = min(c.max_backoff_s, max(c.backoff_s, h.pause * 2))
         h.until, h.down = now + h.pause, True
         self._log(
@@ -115,7 +113,7 @@ class RedisTier(Tier):
             log.warning("redis tier is back")
         h.down, h.pause = False, 0.0
 
-    async def _call(self, op: str, coro):
+    async def _call(self, op: str, coro: Awaitable[T]) -> T | None:
         """Await one Redis call within the timeout; None on any fault. Only an unreachable or
         slow Redis starts a backoff; a refused command (e.g. OOM under maxmemory) does not."""
         try:
@@ -124,7 +122,7 @@ class RedisTier(Tier):
             self._fault(op, e)
             return None
         except RedisError as e:
-            self.counters.errors += 1
+            self._stats.errors += 1
             self._log(f"redis tier: {op} refused ({type(e).__name__}: {e})")
             return None
         self._ok()
@@ -136,12 +134,12 @@ class RedisTier(Tier):
             self.health.last_log = now
             log.warning("%s", line)
 
-    async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
-        names = [self._key(k, ns) for k in keys]
+    async def _contains(self, ns: str, keys: list[bytes]) -> list[bool]:
+        names = [self._name(ns, k) for k in keys]
         if not names or not self._up():
             return [False] * len(names)
 
-        async def run():
+        async def run() -> list[Any]:
             async with self.client.pipeline(transaction=False) as pipe:
                 for n in names:
                     pipe.exists(n)
@@ -150,12 +148,10 @@ class RedisTier(Tier):
         found = await self._call("contains", run())
         return [bool(x) for x in found] if found is not None else [False] * len(names)
 
-    async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
-        name = self._key(key, ns)
-        t0 = time.perf_counter()
+    async def _read(self, ns: str, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
+        name = self._name(ns, key)
         value = await self._call("get", self.client.get(name)) if self._up() else None
         if value is None:
-            self.counters.misses += 1
             return None
         try:
             seg = KVSegment.decode(value)
@@ -164,24 +160,15 @@ class RedisTier(Tier):
         except SegmentError as e:
             await self._corrupt(name, e)
             return None
-        if out is not None:
-            seg = copy_into(seg, seg.header(), out)
-        self.counters.hits += 1
-        self.counters.bytes_out += len(value)
-        self.get_lat.add(time.perf_counter() - t0)
-        return seg
+        return seg, len(value)
 
-    async def get_layers(
-        self, key: bytes, ns: str = DEFAULT_NAMESPACE
-    ) -> AsyncIterator[LayerChunk]:
-        name = self._key(key, ns)
+    async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
+        name = self._name(ns, key)
         if not self._up():
-            self.counters.misses += 1
             return
         prefix = await self._call("getrange", self.client.getrange(name, 0, PREFIX_NBYTES - 1))
         try:
             if not prefix:
-                self.counters.misses += 1
                 return
             hn = SegmentHeader.peek_nbytes(prefix)
             head = await self._call("getrange", self.client.getrange(name, 0, hn - 1))
@@ -193,14 +180,11 @@ class RedisTier(Tier):
         except SegmentError as e:
             await self._corrupt(name, e)
             return
-        self.counters.hits += 1
         for i, (off, n) in enumerate(header.layers):
             data = await self._call("getrange", self.client.getrange(name, off, off + n - 1))
-            if data is None:
-                return  # Redis gone midway: a short stream is a miss
-            if (
-                len(data) != n
-            ):  # deleted midway (a miss), or a value shorter than its header (corrupt)
+            if not isinstance(data, bytes):  # None: Redis gone midway (a short stream is a miss)
+                return
+            if len(data) != n:  # deleted midway (a miss), or a value shorter than its header
                 size = await self._call("strlen", self.client.strlen(name))
                 if size and size != header.nbytes:
                     await self._corrupt(
@@ -213,31 +197,20 @@ class RedisTier(Tier):
             except SegmentError as e:
                 await self._corrupt(name, e)
                 return
-            self.counters.bytes_out += n
-            yield LayerChunk(header, i, memoryview(data))
+            yield SegmentLayer(header, i, memoryview(data))
 
-    async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
-        name = self._key(key, ns)
-        if segment.key != key:
-            raise ValueError("segment.key does not match key")
+    async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
         if not self._up():
-            return False
-        t0 = time.perf_counter()
+            return None
         value = segment.encode()
         ex = self.config.ttl_s or None
-        ok = await self._call("set", self.client.set(name, memoryview(value), ex=ex))
-        if not ok:
-            return False
-        self.counters.puts += 1
-        self.counters.bytes_in += len(value)
-        self.put_lat.add(time.perf_counter() - t0)
-        return True
+        ok = await self._call("set", self.client.set(self._name(ns, key), memoryview(value), ex=ex))
+        return len(value) if ok else None
 
-    async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
-        name = self._key(key, ns)
+    async def _delete(self, ns: str, key: bytes) -> bool:
         if not self._up():
             return False
-        return bool(await self._call("delete", self.client.delete(name)))
+        return bool(await self._call("delete", self.client.delete(self._name(ns, key))))
 
     async def scan_count(self, ns: str = DEFAULT_NAMESPACE) -> int:
         """Count ns's values by SCAN (every node of a cluster); the last count on a fault."""
@@ -256,17 +229,13 @@ class RedisTier(Tier):
         """Entries of ns as of the last scan_count (Redis is shared: only a scan knows)."""
         return self.counts.get(check_namespace(ns), 0)
 
-    def stats(self) -> TierStats:
-        s = self.counters
-        s.get_latency, s.put_latency = self.get_lat.summary(), self.put_lat.summary()
+    def _fill_stats(self, s: TierStats) -> None:
         s.num_segments = sum(self.counts.values())
         s.notes = "down" if self.health.down else ""
-        return s
 
     async def _corrupt(self, name: str, e: SegmentError) -> None:
         log.warning("redis tier: dropping corrupt value %s: %s", name, e)
-        self.counters.errors += 1
-        self.counters.misses += 1
+        self._stats.errors += 1
         await self._call("delete", self.client.delete(name))
 
     async def close(self) -> None:

@@ -52,15 +52,17 @@ __all__ = [
     "SegmentHeader",
     "checksum",
     "decode_layer",
+    "dtype_name",
     "header_nbytes_for",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+_NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The segment dtype name of a torch dtype (torch's own name), None when no segment holds it."""
+    return _NAME_OF.get(dtype)
 
 
 def _frombuffer(buf, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
@@ -73,7 +75,7 @@ def _frombuffer(buf, dtype: torch.dtype, offset: int, count: int) -> torch.Tenso
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _encode_layer(raw: memoryview, codec: str, itemsize: int):
@@ -106,7 +108,8 @@ def _decode_layer_bytes(h: SegmentHeader, i: int, data) -> memoryview:
 
 
 def decode_layer(header: SegmentHeader, i: int, data) -> torch.Tensor:
-    """Check and decode one layer's encoded bytes into a [2, T, H, D] tensor (a view for codec none)."""
+    """Check and decode one layer's encoded bytes into a [2, T, H, D] tensor (a view for codec
+    none)."""
     if not 0 <= i < header.num_layers:
         raise SegmentError(f"layer {i} out of range [0, {header.num_layers})")
     raw = _decode_layer_bytes(header, i, data)
@@ -152,9 +155,9 @@ class KVSegment:
                 f"kv must be a non-empty [L, 2, T, H, D] tensor, got "
                 f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}"
             )
-        names = {v: k for k, v in DTYPES.items()}
-        if kv.dtype not in names:
-            raise SegmentError(f"unsupported kv dtype {kv.dtype}; supported: {DTYPE_NAMES}")
+        dtype = dtype_name(kv.dtype)
+        if dtype is None:
+            raise SegmentError(f"unsupported kv dtype {kv.dtype}; supported: {list(DTYPE_NAMES)}")
         if not (
             isinstance(key, bytes)
             and len(key) == 16
@@ -168,7 +171,6 @@ class KVSegment:
         tok = np.asarray(tokens, dtype=np.int64)
         if tok.shape != (T,) or (tok.size and (tok.min() < -(2**31) or tok.max() >= 2**31)):
             raise SegmentError(f"tokens must be {T} int32 values, got shape {tok.shape}")
-        dtype = names[kv.dtype]
         quant = "fp8_e4m3" if dtype == "float8_e4m3fn" else "none"
         if quant == "fp8_e4m3":
             sc = np.asarray(scales if scales is not None else [], dtype=np.float32)
@@ -234,7 +236,8 @@ class KVSegment:
         return _bytes_of(self.payload[i].cpu())
 
     def encode_parts(self) -> tuple[SegmentHeader, bytes, list]:
-        """(header, header bytes, each layer's encoded bytes): lets a writer stream without a join."""
+        """(header, header bytes, each layer's encoded bytes): lets a writer stream without a
+        join."""
         size = DTYPES[self.dtype].itemsize
         blobs = [
             _encode_layer(self._raw_layer(i), self.codec, size) for i in range(self.num_layers)

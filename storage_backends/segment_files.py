@@ -18,7 +18,8 @@ from tierkv.storage_backends.segment import (
 
 
 def read_header(path: Path) -> tuple[SegmentHeader, bytes] | None:
-    """The header and prefix of a segment file whose length matches it, else None (partial or garbage)."""
+    """The header and prefix of a segment file whose length matches it, else None (partial or
+    garbage)."""
     try:
         with open(path, "rb") as f:
             prefix = f.read(PREFIX_NBYTES)

@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 
 from tierkv.storage_backends.base import (
     DEFAULT_NAMESPACE,
-    LayerChunk,
+    Hold,
+    SegmentLayer,
     Tier,
     TierStats,
     check_key,
     check_namespace,
+    check_put,
 )
 from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
 from tierkv.storage_backends.segment import KVSegment
@@ -64,7 +66,7 @@ class Job:
 class LeaseGroup:
     """A lease on every tier at once."""
 
-    parts: list
+    parts: list[Hold]
 
     def release(self) -> None:
         for p in self.parts:
@@ -73,13 +75,13 @@ class LeaseGroup:
     def __enter__(self) -> LeaseGroup:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     async def __aenter__(self) -> LeaseGroup:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -172,9 +174,7 @@ class TieredStore(Tier):
 
     # -- the Tier interface ----------------------------------------------------------------
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
-        check_namespace(ns)
-        if segment.key != check_key(key):
-            raise ValueError("segment.key does not match key")
+        check_put(key, segment, ns)
         ok = await self.tiers[0].put(key, segment, ns)
         if len(self.tiers) > 1:
             # The queued job must not see later writes to the caller's tensor: read it back from
@@ -201,7 +201,7 @@ class TieredStore(Tier):
                 return seg
         moving = self._moving.get((ns, key), (None,))[0]  # between two tiers right now: still a hit
         if moving is not None:
-            seg = moving if out is None else copy_into(moving, moving.header(), out)
+            seg = moving if out is None else copy_into(moving, out)
             if self.config.promote and await self.tiers[0].put(key, seg, ns):
                 self._stats.promoted += 1
             self._stats.hits += 1
@@ -211,7 +211,7 @@ class TieredStore(Tier):
 
     async def get_layers(
         self, key: bytes, ns: str = DEFAULT_NAMESPACE
-    ) -> AsyncIterator[LayerChunk]:
+    ) -> AsyncIterator[SegmentLayer]:
         check_namespace(ns)
         check_key(key)
         for tier in self.tiers:
@@ -261,8 +261,14 @@ class TieredStore(Tier):
             [t.lease(key, ns) if ttl is None else t.lease(key, ns, ttl) for t in self.tiers]
         )
 
+    def check_integrity(self) -> None:
+        """Each tier's check_integrity (InvariantError when one fails)."""
+        for t in self.tiers:
+            t.check_integrity()
+
     def stats(self) -> TierStats:
-        """Store hits and misses, and the sums over tiers; store_stats() has each tier and the queue."""
+        """Store hits and misses, and the sums over tiers; store_stats() has each tier and the
+        queue."""
         per = [t.stats() for t in self.tiers]
         total = TierStats(name=self.name, device="+".join(s.name for s in per))
         for f in (

@@ -5,6 +5,26 @@ import pytest
 from tests.services import RedisProcess
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "triton_path: also run on the Triton kernels under TRITON_INTERPRET=1 (make test-triton)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "cpu_path: needs the engine's CPU kernels (it asserts which ran, or times a fault "
+        "against steps of milliseconds); runs with TRITON_INTERPRET unset",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cpu_path test runs on the CPU kernels even in the Triton-path run: the dispatch
+    reads TRITON_INTERPRET at each call."""
+    if request.node.get_closest_marker("cpu_path"):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 @pytest.fixture
 def redis_proc():
     """A fresh redis-server on a free port, stopped after the test."""

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from tests.test_connector import FaultTier
 from tierkv.connector import ConnectorConfig, TierKVConnector
-from tierkv.engine import LLM, SamplingParams, Segment
+from tierkv.engine import LLM, PromptPart, SamplingParams
 from tierkv.kernels import RotaryEmbedding, rerotate_k
 from tierkv.storage_backends.cpu_tier import CpuTierConfig
 from tierkv.storage_backends.keys import ChunkHasher, Salt
@@ -77,8 +77,8 @@ def engine(path, conn=None) -> LLM:
     )
 
 
-def prompt(order: list[int], reusable_question: bool = False) -> list[Segment]:
-    return [Segment(DOCS[i]) for i in order] + [Segment(QUESTION, reusable=reusable_question)]
+def prompt(order: list[int], reusable_question: bool = False) -> list[PromptPart]:
+    return [PromptPart(DOCS[i]) for i in order] + [PromptPart(QUESTION, reusable=reusable_question)]
 
 
 def flat(order: list[int]) -> list[int]:
@@ -213,7 +213,9 @@ def test_segment_stored_once_reused_in_three_prompts(ckpt, conn) -> None:
     changed = list(DOCS[0])
     changed[10] = (changed[10] + 1) % VOCAB
     assert conn.lookup_segments([DOCS[0], changed]) == [True, False]  # one token differs: a miss
-    llm.generate([[Segment(changed), Segment(QUESTION, reusable=False)]], GREEDY, use_tqdm=False)
+    llm.generate(
+        [[PromptPart(changed), PromptPart(QUESTION, reusable=False)]], GREEDY, use_tqdm=False
+    )
     assert conn.stats.saved_chunks == 4
 
 
@@ -221,7 +223,8 @@ def test_segment_keys_position_free_and_same_in_another_process() -> None:
     salt = Salt("llama:test", "tkvs1/layer-major/float32/none", chunk_size=64)
     here = ChunkHasher(salt).segment_key(DOCS[0]).hex()
     code = (
-        "from tierkv.storage_backends.keys import ChunkHasher, Salt; from tests.test_blend import DOCS; "
+        "from tierkv.storage_backends.keys import ChunkHasher, Salt; "
+        "from tests.test_blend import DOCS; "
         "print(ChunkHasher(Salt('llama:test', 'tkvs1/layer-major/float32/none', chunk_size=64))"
         ".segment_key(DOCS[0]).hex())"
     )

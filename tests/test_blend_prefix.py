@@ -8,17 +8,17 @@ import torch
 from transformers import DynamicCache
 
 from tests.test_blend import DOCS, QUESTION, VOCAB, ckpt, conn, engine, first_logits, flat, toks  # noqa: F401
-from tierkv.engine import LLM, SamplingParams, Segment
+from tierkv.engine import LLM, PromptPart, SamplingParams
 from tierkv.kernels import RotaryEmbedding, rerotate_k
 
 SYS_A, SYS_B = toks(100, 7), toks(100, 8)  # two chunks of 64: one full, one partial
 
 
-def with_prefix(system: list[int], order: list[int], declared: bool = True) -> list[Segment]:
+def with_prefix(system: list[int], order: list[int], declared: bool = True) -> list[PromptPart]:
     return (
-        [Segment(system, prefix=declared)]
-        + [Segment(DOCS[i]) for i in order]
-        + [Segment(QUESTION, reusable=False)]
+        [PromptPart(system, prefix=declared)]
+        + [PromptPart(DOCS[i]) for i in order]
+        + [PromptPart(QUESTION, reusable=False)]
     )
 
 
@@ -35,7 +35,8 @@ def kl(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_alone(llm: LLM, prompt, params: SamplingParams):
-    """Generate without generate()'s ingest of missing segments: what a lookup finds is all it gets."""
+    """Generate without generate()'s ingest of missing segments: what a lookup finds is all it
+    gets."""
     seq = llm.add_request(llm._next_id, prompt, params)
     while llm.scheduler.has_work():
         llm.step()
@@ -129,7 +130,7 @@ def test_documents_under_one_prefix_never_hit_under_another(ckpt, conn) -> None:
     for prompt in (
         with_prefix(SYS_B, [0, 1]),
         with_prefix(SYS_A, [0, 1], declared=False),
-        [Segment(DOCS[0]), Segment(DOCS[1]), Segment(QUESTION, reusable=False)],
+        [PromptPart(DOCS[0]), PromptPart(DOCS[1]), PromptPart(QUESTION, reusable=False)],
     ):
         out = run_alone(llm, prompt, greedy(2, 0.0))
         assert out.metrics.blend["loaded"] == 0  # computed in full, nothing of prefix A's reused
@@ -153,11 +154,17 @@ def test_declared_prefix_lowers_the_deviation_at_ratio_zero(ckpt, conn) -> None:
 
 def test_bad_prefix_declarations(ckpt, conn) -> None:
     with pytest.raises(ValueError, match="reusable=False"):
-        Segment(SYS_A, reusable=False, prefix=True)
+        PromptPart(SYS_A, reusable=False, prefix=True)
     llm = engine(ckpt[0], conn)
-    with pytest.raises(ValueError, match="only the first segment"):
+    with pytest.raises(ValueError, match="only the first part"):
         llm.generate(
-            [[Segment(DOCS[0]), Segment(SYS_A, prefix=True), Segment(QUESTION, reusable=False)]],
+            [
+                [
+                    PromptPart(DOCS[0]),
+                    PromptPart(SYS_A, prefix=True),
+                    PromptPart(QUESTION, reusable=False),
+                ]
+            ],
             greedy(1),
             use_tqdm=False,
         )
@@ -184,6 +191,6 @@ def test_blend_longer_than_the_step_budget(ckpt, conn) -> None:
     llm.ingest(DOCS)
     steps = llm.stats.steps
     _, _, m = first_logits(
-        llm, [Segment(d) for d in DOCS] + [Segment(QUESTION, reusable=False)], greedy(1, 0.15)
+        llm, [PromptPart(d) for d in DOCS] + [PromptPart(QUESTION, reusable=False)], greedy(1, 0.15)
     )
     assert llm.stats.steps == steps + 1 and m.blend["recomputed"] == 32  # ceil(0.15 * 210)

@@ -1,4 +1,5 @@
-"""`tierkv-engine generate` with the connector flags and document/question files, as a user runs it."""
+"""`tierkv-engine generate` with the connector flags and document/question files, as a user
+runs it."""
 
 from __future__ import annotations
 

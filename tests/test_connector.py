@@ -91,6 +91,7 @@ def check_reuse(writer: TierKVConnector, reader, cold: dict, tier: str) -> None:
     )
 
 
+@pytest.mark.triton_path
 def test_reuse_from_cpu_tier(cold) -> None:
     conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB"))
     try:
@@ -119,6 +120,7 @@ def test_reuse_from_disk_tier(cold, tmp_path) -> None:
             r.close()
 
 
+@pytest.mark.triton_path
 def test_reuse_through_cache_server(cold) -> None:
     server = ServerProcess().start()
     try:
@@ -216,7 +218,8 @@ class FaultTier(CpuTier):
     "mode,counter",
     [
         ("raise", "load_errors"),
-        ("slow", "load_timeouts"),
+        # times the load deadline against steps of milliseconds: the CPU kernels
+        pytest.param("slow", "load_timeouts", marks=pytest.mark.cpu_path),
         ("flip", "load_rejected"),
         ("tokens", "load_rejected"),
         ("drop", "load_misses"),

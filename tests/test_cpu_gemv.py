@@ -14,6 +14,8 @@ from tierkv.engine.model import Linear
 from tierkv.kernels import cpu, layer_ops
 from tierkv.kernels.layer_ops import GEMV_ROWS, linear
 
+pytestmark = pytest.mark.cpu_path
+
 
 @pytest.fixture(autouse=True)
 def _cpu_path(monkeypatch):

@@ -15,6 +15,8 @@ from tests.test_kernels import tol
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
 from tierkv.kernels import cpu, paged_attention, paged_attention_ref
 
+pytestmark = pytest.mark.cpu_path
+
 
 @pytest.fixture(autouse=True)
 def _cpu_path(monkeypatch):

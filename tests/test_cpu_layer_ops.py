@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from tierkv.kernels import cpu
 
+pytestmark = pytest.mark.cpu_path
+
 
 @pytest.fixture(autouse=True)
 def _cpu_path(monkeypatch):

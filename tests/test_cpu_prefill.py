@@ -14,6 +14,8 @@ from tierkv.engine import LLM, SamplingParams
 from tierkv.kernels import cpu, paged_attention, paged_attention_ref
 from tierkv.kernels.layer_ops import linear, native_matmul
 
+pytestmark = pytest.mark.cpu_path
+
 
 @pytest.fixture(autouse=True)
 def _cpu_path(monkeypatch):

@@ -14,6 +14,8 @@ from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.sampler import filter_logits
 
+pytestmark = pytest.mark.triton_path
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 

@@ -10,6 +10,8 @@ from tests.test_hf_match import GREEDY, save_checkpoint
 from tierkv.engine import LLM, KVConnector
 from tierkv.kernels import gather_kv, scatter_kv
 
+pytestmark = pytest.mark.triton_path
+
 BS = 16
 
 
@@ -175,8 +177,8 @@ def test_failed_load_is_recomputed(ckpt):
     )
     outs = fresh.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    # prompt 0 (40 tokens): 39 loaded into blocks 0-2, block 2 failed: its step (1 token) is wasted and
-    # tokens 32..39 recomputed
+    # prompt 0 (40 tokens): 39 loaded into blocks 0-2, block 2 failed: its step (1 token) is
+    # wasted and tokens 32..39 recomputed
     assert (
         outs[0].metrics.external_tokens == 32
         and outs[0].metrics.computed_tokens == 1 + (40 - 32) + 31

@@ -200,6 +200,7 @@ class SlowTier(CpuTier):
         return await super().put(key, segment, ns)
 
 
+@pytest.mark.cpu_path
 def test_slow_lookup_and_save_do_not_hold_the_engine() -> None:
     from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
     from tierkv.connector import ConnectorConfig, TierKVConnector
@@ -219,6 +220,7 @@ def test_slow_lookup_and_save_do_not_hold_the_engine() -> None:
         conn.close()
 
 
+@pytest.mark.cpu_path
 def test_hung_cache_server_does_not_hold_the_engine() -> None:
     """A real server process, SIGSTOPped: it accepts connections and answers nothing."""
     import signal

@@ -302,7 +302,7 @@ def test_put_streams(server, ch) -> None:
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(run, cases))
-    for key, code, codes in results:
+    for _key, code, codes in results:
         assert code in codes, (code, codes)
     server.valid += [k for k, _, codes in results if codes == {OK}]
     assert_only_valid_stored(server, ch, [k for k, _, _ in results])

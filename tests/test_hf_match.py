@@ -107,6 +107,7 @@ def test_prefill_logits_match(tmp_path, kind, over, prompts):
         torch.testing.assert_close(all_logits(llm, p), ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.triton_path
 def test_greedy_alone_and_batched(ckpt, prompts, hf_tokens):
     llm = LLM(ckpt[0], dtype="fp32", kv_cache_bytes=1 << 22, enable_prefix_caching=False)
     for i in (0, 2, 4):  # alone: shortest, middle, longest
@@ -120,6 +121,7 @@ def test_greedy_alone_and_batched(ckpt, prompts, hf_tokens):
     llm.check_integrity()
 
 
+@pytest.mark.triton_path
 def test_prefix_cache_hits_same_tokens(ckpt, prompts):
     _, hf = ckpt
     shared = prompts[4][:40]
@@ -185,7 +187,8 @@ import json, sys
 from tierkv.engine import LLM, SamplingParams
 prompts = json.loads(sys.argv[2])
 llm = LLM(sys.argv[1], dtype="fp32", kv_cache_bytes=1 << 20, max_num_batched_tokens=24)
-outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+outs = llm.generate(prompts, params, use_tqdm=False)
 print(json.dumps([o.token_ids for o in outs]))
 """
 

@@ -101,7 +101,8 @@ def test_reference_property(seqs, heads, seed):
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_reference_query_chunks(monkeypatch, chunk):
     # Masked prefills run in row chunks, each over keys up to its highest position: shuffled
-    # sparse rows, a chunked prefill over a cached prefix, chunks that end mid-block or hold one row.
+    # sparse rows, a chunked prefill over a cached prefix, chunks that end mid-block or hold one
+    # row.
     import tierkv.kernels.ref_attention as ref
 
     monkeypatch.setattr(ref, "CHUNK", chunk)

@@ -12,6 +12,10 @@ Interpreter caveats, worked around here and nowhere hidden:
   destinations are compared within one bf16 ulp.
 """
 
+# E402: triton and the kernel modules are imported only after TRITON_INTERPRET is set below, on
+# purpose (the variable is read when @triton.jit decorates, i.e. at import).
+# ruff: noqa: E402
+
 from __future__ import annotations
 
 import importlib
@@ -22,10 +26,10 @@ import torch
 
 _prev = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, i.e. at import
-import triton  # noqa: E402  (a hard dependency of this file: no skip)
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+import triton  # a hard dependency of this file: no skip
+from triton.runtime.interpreter import InterpretedFunction
 
-from tierkv.kernels import triton_attention, triton_fp8, triton_kv, triton_rope  # noqa: E402
+from tierkv.kernels import triton_attention, triton_fp8, triton_kv, triton_rope
 
 for _m in (triton_attention, triton_kv, triton_rope, triton_fp8):
     if not any(isinstance(v, InterpretedFunction) for v in vars(_m).values()):
@@ -35,7 +39,7 @@ if _prev is None:
 else:
     os.environ["TRITON_INTERPRET"] = _prev
 
-from tests.test_kernels_cases import Batch, dense_attention, make_batch  # noqa: E402
+from tests.test_kernels_cases import Batch, dense_attention, make_batch
 from tierkv.kernels import (
     FP8,
     RotaryEmbedding,
@@ -48,10 +52,10 @@ from tierkv.kernels import (
     scatter_kv_layers,
     write_kv,
 )
-from tierkv.kernels.fp8 import quantize_fp8_ref  # noqa: E402
-from tierkv.kernels.ref_kv import gather_kv_ref, scatter_kv_ref, write_kv_ref  # noqa: E402
-from tierkv.kernels.rope import rotate  # noqa: E402
-from tierkv.kernels.triton_attention import choose_splits, paged_attention_triton  # noqa: E402
+from tierkv.kernels.fp8 import quantize_fp8_ref
+from tierkv.kernels.ref_kv import gather_kv_ref, scatter_kv_ref, write_kv_ref
+from tierkv.kernels.rope import rotate
+from tierkv.kernels.triton_attention import choose_splits, paged_attention_triton
 
 assert triton.__version__
 MIXED = [(0, 0), (1, 1), (37, 37), (150, 1), (70, 20), (33, 0), (90, "sparse")]

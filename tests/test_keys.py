@@ -49,7 +49,8 @@ def test_inputs_agree_and_prefixes_share_keys(tokens):
     assert keys == h.prefix_keys(np.array(tokens, dtype=np.int64))
     assert keys == h.prefix_keys(torch.tensor(tokens, dtype=torch.long))
     assert len(keys) == len(tokens) // 4 and all(len(k) == 16 for k in keys)
-    # a longer prompt with the same start shares the leading keys; a changed token changes all after it
+    # a longer prompt with the same start shares the leading keys; a changed token changes all
+    # after it
     assert h.prefix_keys(tokens + [1, 2, 3, 4])[: len(keys)] == keys
     if len(tokens) >= 4:
         changed = [tokens[0] ^ 1] + tokens[1:]
@@ -103,7 +104,8 @@ def test_bad_tokens(bad):
 def test_same_keys_in_separate_processes():
     code = (
         "import numpy as np; from tierkv.storage_backends.keys import ChunkHasher, Salt;"
-        "h = ChunkHasher(Salt('llama-test:abc123:bf16', 'layer-major:bf16:none:v1', 2, 1, 4, 't1'));"
+        "h = ChunkHasher("
+        "Salt('llama-test:abc123:bf16', 'layer-major:bf16:none:v1', 2, 1, 4, 't1'));"
         "t = np.arange(1000, dtype=np.int32) * 7919 % 32000;"
         "print(b''.join(h.prefix_keys(t, partial=True)).hex(), h.segment_key(t).hex())"
     )

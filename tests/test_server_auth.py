@@ -157,7 +157,8 @@ async def test_tls_required(tls_server) -> None:
 def test_config_layers(tmp_path: Path) -> None:
     y = tmp_path / "c.yaml"
     y.write_text(
-        "port: 7001\ncpu_bytes: 2GiB\ndisk_bytes: 1GiB\nredis_url: redis://a:1/0\ntokens:\n  abcdefgh1: ns1\n"
+        "port: 7001\ncpu_bytes: 2GiB\ndisk_bytes: 1GiB\nredis_url: redis://a:1/0\n"
+        "tokens:\n  abcdefgh1: ns1\n"
     )
     p = argparse.ArgumentParser()
     cfg.add_arguments(p)

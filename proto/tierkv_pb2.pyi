@@ -1,0 +1,140 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("present", "tier", "prefix_len")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    tier: _containers.RepeatedScalarFieldContainer[str]
+    prefix_len: int
+    def __init__(self, present: _Optional[_Iterable[bool]] = ..., tier: _Optional[_Iterable[str]] = ..., prefix_len: _Optional[int] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("key", "total_bytes", "num_frames")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    total_bytes: int
+    num_frames: int
+    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., num_frames: _Optional[int] = ...) -> None: ...
+
+class PutFrame(_message.Message):
+    __slots__ = ("seq", "header", "data")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    header: PutHeader
+    data: bytes
+    def __init__(self, seq: _Optional[int] = ..., header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    def __init__(self, stored: _Optional[bool] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    def __init__(self, key: _Optional[bytes] = ...) -> None: ...
+
+class GetManyRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class SegmentFrame(_message.Message):
+    __slots__ = ("index", "kind", "layer", "data", "total_bytes", "tier")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        HEADER: _ClassVar[SegmentFrame.Kind]
+        LAYER: _ClassVar[SegmentFrame.Kind]
+        MISS: _ClassVar[SegmentFrame.Kind]
+    HEADER: SegmentFrame.Kind
+    LAYER: SegmentFrame.Kind
+    MISS: SegmentFrame.Kind
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    kind: SegmentFrame.Kind
+    layer: int
+    data: bytes
+    total_bytes: int
+    tier: str
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[_Union[SegmentFrame.Kind, str]] = ..., layer: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, deleted: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "count", "used_bytes", "capacity_bytes", "hits", "misses", "evictions", "errors")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    count: int
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    errors: int
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("namespace", "tiers", "lookups", "puts", "gets", "bytes_in", "bytes_out")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    lookups: int
+    puts: int
+    gets: int
+    bytes_in: int
+    bytes_out: int
+    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,85 @@
+"""TiersConfig and build_tiers: the one way the cache server and the connector make their tiers.
+
+Each knob means the same wherever it appears (the server's ServerConfig and the
+connector's ConnectorConfig carry the same names and pass them here). The remote tier
+(the cache server's gRPC client) is not built here: storage_backends does not know the
+cache server; the connector appends it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierkv.storage_backends.base import Tier, parse_size
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "unix://")
+
+
+@dataclass(slots=True)
+class TiersConfig:
+    """The tiers, fastest first: gpu, cpu, disk, redis. Sizes take human units ("512MiB",
+    "8GiB", "1.5GB") or bytes; a tier whose size is 0 (or whose place is unset) is left out."""
+
+    # gpu tier: bytes of KV payload kept as tensors on the engine's device (CUDA when
+    # present, else the CPU device, and its stats say so); 0: no gpu tier.
+    gpu_bytes: int | str = 0
+    # cpu tier: bytes of the one host buffer it allocates at start (pinned with CUDA) and
+    # never exceeds; 0: no cpu tier.
+    cpu_bytes: int | str = "1GiB"
+    # disk tier: the directory of its segment files (created if missing; its files are kept
+    # and re-indexed across restarts); None: no disk tier.
+    disk_dir: str | Path | None = None
+    # disk tier: the most bytes of segment files it keeps in disk_dir; 0: no disk tier.
+    disk_bytes: int | str = "16GiB"
+    # redis tier: redis://, rediss:// (TLS), redis+cluster:// or unix:// (a local socket) URL
+    # of the shared Redis; None or "": no redis tier.
+    redis_url: str | None = None
+    # redis tier: use the Redis Cluster client (also chosen by a redis+cluster:// URL).
+    redis_cluster: bool = False
+    # redis tier: expiry in seconds of every value it writes; 0: none (Redis' own
+    # maxmemory policy applies).
+    redis_ttl_s: int = 0
+    # redis tier: timeout of each Redis command in seconds; a timeout is a miss.
+    redis_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
+            try:
+                setattr(self, name, parse_size(getattr(self, name)))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                f"redis_url must start with one of {REDIS_SCHEMES}, got {self.redis_url!r}"
+            )
+        if self.redis_ttl_s < 0 or self.redis_timeout_s <= 0:
+            raise ValueError("redis_ttl_s must be >= 0 and redis_timeout_s > 0")
+
+
+def build_tiers(c: TiersConfig) -> list[Tier]:
+    """The tiers c asks for, fastest first; an empty list when it asks for none."""
+    tiers: list[Tier] = []
+    gpu, cpu, disk = parse_size(c.gpu_bytes), parse_size(c.cpu_bytes), parse_size(c.disk_bytes)
+    if gpu:
+        tiers.append(GpuTier(GpuTierConfig(capacity_bytes=gpu)))
+    if cpu:
+        tiers.append(CpuTier(CpuTierConfig(capacity_bytes=cpu)))
+    if c.disk_dir is not None and disk:
+        tiers.append(DiskTier(DiskTierConfig(root=c.disk_dir, capacity_bytes=disk)))
+    if c.redis_url:
+        tiers.append(
+            RedisTier(
+                RedisTierConfig(
+                    url=c.redis_url,
+                    cluster=c.redis_cluster,
+                    ttl_s=c.redis_ttl_s,
+                    timeout_s=c.redis_timeout_s,
+                )
+            )
+        )
+    return tiers

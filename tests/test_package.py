@@ -1,0 +1,65 @@
+"""The distribution installs one importable package, `tierkv`, and its two console scripts;
+the repository's folders are never importable under their own names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("kernels", "storage_backends", "cacheserver", "engine", "connector", "proto")
+
+
+def test_wheel_holds_only_tierkv(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    (wheel,) = tmp_path.glob("tierkv-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    dist = {t for t in tops if t.endswith(".dist-info")}
+    assert tops - dist == {"tierkv"}, tops
+    for part in PARTS:
+        assert f"tierkv/{part}/__init__.py" in names
+    assert "tierkv/kernels/cpu_attention.cpp" in names  # sources the C++ kernels build from
+    assert not any(n.startswith(("tierkv/bench", "tierkv/tests", "tierkv/examples")) for n in names)
+    (meta,) = dist
+    scripts = zipfile.ZipFile(wheel).read(f"{meta}/entry_points.txt").decode()
+    assert "tierkv-server = tierkv.cacheserver.cli:main" in scripts
+    assert "tierkv-engine = tierkv.engine.cli:main" in scripts
+
+
+def test_folder_names_are_not_importable_outside_the_repository(tmp_path: Path) -> None:
+    """From another directory, `import engine` etc. fail; `kernels` may only be another
+    distribution's (transformers depends on Hugging Face's `kernels`), never this folder."""
+    code = (
+        "import importlib.util, json, sys\n"
+        "out = {}\n"
+        f"for name in {['bench', 'examples', 'tests', *PARTS]!r}:\n"
+        "    spec = importlib.util.find_spec(name)\n"
+        "    where = None if spec is None else spec.origin or spec.submodule_search_locations\n"
+        "    out[name] = None if where is None else str(where)\n"
+        "import tierkv.engine, tierkv.kernels\n"
+        "out['tierkv.kernels'] = tierkv.kernels.__file__\n"
+        "print(json.dumps(out))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+    import json
+
+    found = json.loads(p.stdout)
+    assert found.pop("tierkv.kernels") == str(ROOT / "kernels" / "__init__.py")
+    ours = [str(ROOT / name) for name in found]
+    for name, origin in found.items():
+        assert origin is None or not origin.startswith(tuple(ours)), (name, origin)
+    for name in ("engine", "proto", "bench", "storage_backends", "cacheserver", "connector"):
+        assert found[name] is None, (name, found[name])
