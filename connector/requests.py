@@ -13,17 +13,28 @@ from tierkv.connector.plan import Chunk, RequestState
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.segment import dtype_name
 
+# The model config fields that shape a model's KV; the rest (EOS ids, the dtype a file
+# names, the context length it declares) differ between file formats of the same weights.
+KV_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "attention_bias",
+)
+
 
 def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> str:
     """Architecture, shape and a digest of every weight: KV of two models shares keys only
-    when all of these are equal."""
-    h = xxhash.xxh3_128(
-        repr(
-            sorted((k, repr(v)) for k, v in vars(cfg).items())
-            if hasattr(cfg, "__dict__")
-            else repr(cfg)
-        ).encode()
-    )
+    when all of these are equal, whatever file the weights came from."""
+    h = xxhash.xxh3_128(repr([(f, getattr(cfg, f, None)) for f in KV_FIELDS]).encode())
     for name, p in model.state_dict().items():
         h.update(name.encode())
         h.update(memoryview(p.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)))

@@ -1,4 +1,5 @@
-"""tierkv-engine: generate from a checkpoint directory or a random-weight model."""
+"""tierkv-engine: generate or chat with a checkpoint (HF directory, GGUF file, or a named
+model that `pull` fetches), or with a random-weight model."""
 
 from __future__ import annotations
 
@@ -6,32 +7,28 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 from tierkv.engine.blend import PromptPart
 from tierkv.engine.config import RANDOM_CONFIGS
-from tierkv.engine.llm import LLM
+from tierkv.engine.llm import LLM, RequestOutput
+from tierkv.engine.models import MODELS, pull
 from tierkv.engine.sampling_params import SamplingParams
+from tierkv.engine.tokenizer import Message
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierkv-engine", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser(
-        "generate", help="generate for one or more prompts and print text and metrics"
-    )
+def engine_options() -> argparse.ArgumentParser:
+    """The model, sampling, engine and connector options that generate and chat share."""
+    g = argparse.ArgumentParser(add_help=False)
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF checkpoint directory (config.json + safetensors)")
+    src.add_argument(
+        "--model",
+        help="HF checkpoint directory (config.json + safetensors), a Llama-family .gguf "
+        f"file, or a model that `pull` fetches ({', '.join(sorted(MODELS))})",
+    )
     src.add_argument(
         "--random-config", choices=sorted(RANDOM_CONFIGS), help="random weights of a named size"
-    )
-    g.add_argument(
-        "--prompt",
-        action="append",
-        default=[],
-        help="text prompt (needs tokenizer.json); repeatable",
-    )
-    g.add_argument(
-        "--prompt-ids", action="append", default=[], help="comma-separated token ids; repeatable"
     )
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -56,6 +53,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cpu-cache", default="1GiB", help="local cpu tier capacity (0 = none)")
     c.add_argument("--disk-cache", default=None, help="local disk tier directory")
     c.add_argument("--chunk-size", type=int, default=256)
+    return g
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierkv-engine", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    common = engine_options()
+    g = sub.add_parser(
+        "generate",
+        parents=[common],
+        help="generate for one or more prompts and print text and metrics",
+    )
+    g.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="text prompt (needs a tokenizer); repeatable",
+    )
+    g.add_argument(
+        "--prompt-ids", action="append", default=[], help="comma-separated token ids; repeatable"
+    )
+    ch = sub.add_parser(
+        "chat",
+        parents=[common],
+        help="chat through the model's chat template: one reply to --message, else a "
+        "conversation read line by line from stdin",
+    )
+    ch.add_argument("--system", dest="system_prompt", help="the system message")
+    ch.add_argument("--message", help="one user message: print the reply and exit")
+    pl = sub.add_parser("pull", help="fetch a named model into the model cache")
+    pl.add_argument("name", choices=sorted(MODELS))
+    pl.add_argument("--dir", default=None, help="cache directory (default $TIERKV_MODEL_DIR)")
     b = g.add_argument_group("any-position reuse (CacheBlend)")
     b.add_argument(
         "--system",
@@ -102,21 +131,42 @@ def make_connector(args):
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    prompts: list = list(args.prompt)
+def make_llm(args: argparse.Namespace, conn: Any) -> LLM:
+    return LLM(
+        args.model or RANDOM_CONFIGS[args.random_config],
+        dtype=args.dtype,
+        kv_connector=conn,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        blend_ratio=getattr(args, "blend_ratio", None),
+    )
+
+
+def prompts_of(args: argparse.Namespace) -> list[Any]:
+    """generate's prompts; ValueError on bad flags."""
+    prompts: list[Any] = list(args.prompt)
     try:
         prompts += [[int(t) for t in s.split(",") if t.strip()] for s in args.prompt_ids]
     except ValueError:
-        print("error: --prompt-ids takes comma-separated integers", file=sys.stderr)
-        return 2
+        raise ValueError("--prompt-ids takes comma-separated integers") from None
     if args.system and not args.doc:
-        print("error: --system needs --doc", file=sys.stderr)
-        return 2
+        raise ValueError("--system needs --doc")
     if args.doc:
         if not args.question:
-            print("error: --doc needs --question", file=sys.stderr)
-            return 2
+            raise ValueError("--doc needs --question")
         system = (
             [PromptPart(read_segment(args.system, args.ids), prefix=True)] if args.system else []
         )
@@ -126,36 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             + [PromptPart(read_segment(args.question, args.ids), reusable=False)]
         )
     if not prompts:
-        print("error: give --prompt, --prompt-ids or --doc with --question", file=sys.stderr)
-        return 2
-    conn = None
-    try:
-        conn = make_connector(args)
-        llm = LLM(
-            args.model or RANDOM_CONFIGS[args.random_config],
-            dtype=args.dtype,
-            kv_connector=conn,
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_cache_bytes=args.kv_cache_bytes,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-        )
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-            blend_ratio=args.blend_ratio,
-        )
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if conn is not None:
-            conn.close()
+        raise ValueError("give --prompt, --prompt-ids or --doc with --question")
+    return prompts
+
+
+def print_outputs(outs: list[RequestOutput]) -> None:
     for o in outs:
         c = o.outputs[0]
         print(f"[{o.request_id}] {c.text if c.text is not None else c.token_ids}")
@@ -164,6 +189,51 @@ def main(argv: list[str] | None = None) -> int:
                 {"token_ids": c.token_ids, "finish_reason": c.finish_reason, **asdict(c.metrics)}
             )
         )
+
+
+def chat(llm: LLM, args: argparse.Namespace) -> None:
+    """One reply to --message, else a conversation: each stdin line is a user turn."""
+    history: list[Message] = []
+    if args.system_prompt:
+        history.append({"role": "system", "content": args.system_prompt})
+    lines = [args.message] if args.message is not None else sys.stdin
+    for line in lines:
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.strip()})
+        out = llm.chat(history, sampling(args), use_tqdm=False)[0]
+        reply = out.outputs[0].text or ""
+        history.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+        m = out.metrics
+        print(
+            f"  [{m.prompt_tokens} prompt tokens, {m.cached_tokens} from the prefix cache, "
+            f"{m.external_tokens} loaded; ttft {m.ttft * 1e3:.0f} ms]",
+            file=sys.stderr,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    conn = None
+    try:
+        if args.cmd == "pull":
+            print(pull(args.name, Path(args.dir) if args.dir else None))
+            return 0
+        prompts = prompts_of(args) if args.cmd == "generate" else []
+        conn = make_connector(args)
+        llm = make_llm(args, conn)
+        if args.cmd == "chat":
+            chat(llm, args)
+            return 0
+        outs = llm.generate(prompts, sampling(args), use_tqdm=False)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if conn is not None:
+            conn.close()
+    print_outputs(outs)
     return 0
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierkv.engine.tokenizer import Tokenizer
+
 # GGUF tensor names -> Hugging Face Llama names ({i} = layer).
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -123,16 +125,22 @@ def iter_weights(reader: Any, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.
             w = unpermute(w, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             w = unpermute(w, cfg["num_key_value_heads"])
-        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
-def load_tokenizer(path: str | Path) -> tuple[Any, str | None]:
-    """(tokenizers.Tokenizer, chat template or None) from the GGUF metadata, through
-    transformers' GGUF tokenizer conversion (the same one its own loader uses)."""
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer and chat template in the GGUF metadata, converted by transformers' GGUF
+    tokenizer conversion (the one its own GGUF loader uses)."""
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
         raise ImportError("a GGUF tokenizer needs transformers: pip install transformers") from e
     p = Path(path)
     hf = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return hf.backend_tokenizer, getattr(hf, "chat_template", None)
+    template = getattr(hf, "chat_template", None)
+    return Tokenizer(
+        hf.backend_tokenizer,
+        template if isinstance(template, str) else None,
+        str(hf.bos_token or ""),
+        str(hf.eos_token or ""),
+    )

@@ -20,6 +20,7 @@ from tierkv.engine.sampler import sample
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.scheduler import Scheduler
 from tierkv.engine.sequence import Sequence
+from tierkv.engine.tokenizer import Message
 
 # One prompt: text, token ids, or PromptParts (a CacheBlend prompt in parts).
 Prompt = str | list[int] | list[PromptPart]
@@ -170,10 +171,8 @@ class LLM:
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(
-                "text prompt given but the model has no tokenizer.json; pass token ids"
-            )
-        return self.tokenizer.encode(text).ids
+            raise ValueError("text prompt given but the model has no tokenizer; pass token ids")
+        return self.tokenizer.encode(text)
 
     def _blend_params(self, params: SamplingParams) -> BlendParams:
         c = self.config
@@ -330,6 +329,28 @@ class LLM:
         bar.close()
         self._drain_saves()
         return [self._output(g) for g in groups]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation ([{"role", "content"}, ...]) or to a list of them, each
+        rendered by the checkpoint's chat template; replies end at the checkpoint's EOS."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer and chat template; this model has none")
+        one = bool(messages) and isinstance(messages[0], dict)
+        convs = cast("list[list[Message]]", [messages] if one else messages)
+        prompts: list[Prompt] = [self.chat_prompt(c) for c in convs]
+        return self.generate(prompts, params, use_tqdm)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        """The token ids of messages rendered by the chat template, ready for the reply."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer and chat template; this model has none")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _output(self, group: int) -> RequestOutput:
         seqs = sorted(self._groups.pop(group), key=lambda s: s.sample_index)

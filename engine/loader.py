@@ -1,5 +1,6 @@
 """Build the model: from an HF checkpoint directory (config.json + safetensors, sharded or
-not; tokenizer.json when present) or with random weights from a config."""
+not; tokenizer.json when present), from a Llama-family GGUF file, or with random weights
+from a config."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tierkv.engine import gguf_loader, models
 from tierkv.engine.config import DTYPES, ModelConfig
 from tierkv.engine.model import LlamaForCausalLM
+from tierkv.engine.tokenizer import Tokenizer
+from tierkv.engine.tokenizer import from_dir as tokenizer_from_dir
 
 
 def safetensor_files(path: Path) -> list[Path]:
@@ -45,21 +49,31 @@ def resolve_dtype(dtype: str, cfg: ModelConfig | None) -> torch.dtype:
 
 def load_model(
     model: str | Path | dict[str, Any] | ModelConfig, dtype: str, seed: int
-) -> tuple[LlamaForCausalLM, ModelConfig, torch.dtype, Any]:
-    """(model in eval mode, its config, its dtype, a tokenizers.Tokenizer or None)."""
+) -> tuple[LlamaForCausalLM, ModelConfig, torch.dtype, Tokenizer | None]:
+    """(model in eval mode, its config, its dtype, its tokenizer or None). `model` is a
+    checkpoint directory, a .gguf file, or a config for random weights."""
     tokenizer = None
-    if isinstance(model, (str, Path)):
+    if isinstance(model, str):
+        model = models.resolve(model)
+    if isinstance(model, (str, Path)) and gguf_loader.is_gguf(model):
+        reader = gguf_loader.open_gguf(model)
+        conf = gguf_loader.config_dict(reader)
+        cfg = ModelConfig.from_dict(conf)
+        torch_dtype = resolve_dtype(dtype, cfg)
+        net = LlamaForCausalLM(cfg).to(torch_dtype)
+        net.load_weights(gguf_loader.iter_weights(reader, conf))
+        tokenizer = gguf_loader.load_tokenizer(model)
+    elif isinstance(model, (str, Path)):
         path = Path(model)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
+            raise FileNotFoundError(
+                f"{path} is neither a checkpoint directory (no config.json) nor a .gguf file"
+            )
         cfg = ModelConfig.from_dir(path)
         torch_dtype = resolve_dtype(dtype, cfg)
         net = LlamaForCausalLM(cfg).to(torch_dtype)
         net.load_weights(iter_weights(path))
-        if (path / "tokenizer.json").exists():
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer = tokenizer_from_dir(path)
     else:
         cfg = model if isinstance(model, ModelConfig) else ModelConfig.from_dict(model)
         torch_dtype = resolve_dtype(dtype, None)
