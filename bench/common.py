@@ -30,8 +30,15 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    from tierkv.kernels.cpu import cpu_flags
+
+    simd = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16")
+    simd += ("avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
     info = {
         "cpu": cpu,
+        # the SIMD flags the kernels and torch's GEMMs depend on; all flags below
+        "flags": [f for f in simd if f in cpu_flags()],
+        "all_flags": sorted(cpu_flags()),
         "threads": os.cpu_count(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from tierkv.engine.invariants import invariant
 from tierkv.engine.radix import RadixTree
 from tierkv.engine.sequence import Sequence
 
@@ -139,7 +140,9 @@ class BlockManager:
         """held: block lists a connector still holds for finished requests."""
         count = [0] * self.num_blocks
         for s in seqs:
-            assert len(s.block_table) * self.block_size >= s.num_computed_tokens, "KV beyond blocks"
+            invariant(
+                len(s.block_table) * self.block_size >= s.num_computed_tokens, "KV beyond blocks"
+            )
             for b in s.block_table:
                 count[b] += 1
         for blocks in held:
@@ -149,7 +152,8 @@ class BlockManager:
             self.tree.check_integrity()
             for b in self.tree.all_blocks():
                 count[b] += 1
-        assert count == self.ref, "reference counts drifted"
-        assert sorted(self.free) == [b for b in range(self.num_blocks) if count[b] == 0], (
-            "free list wrong"
+        invariant(count == self.ref, "reference counts drifted")
+        invariant(
+            sorted(self.free) == [b for b in range(self.num_blocks) if count[b] == 0],
+            "free list wrong",
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from tierkv.engine.invariants import invariant
+
 
 @dataclass(slots=True, eq=False)
 class Node:
@@ -171,16 +173,18 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         bs, seen, stack = self.block_size, set(), [self.root]
-        assert not self.root.blocks and not self.root.key, "root holds no tokens"
+        invariant(not self.root.blocks and not self.root.key, "root holds no tokens")
         while stack:
             n = stack.pop()
-            assert len(n.key) == len(n.blocks) * bs, "key length != blocks * block_size"
-            assert n is self.root or n.blocks, "empty non-root node"
-            assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), "lock below parent's"
+            invariant(len(n.key) == len(n.blocks) * bs, "key length != blocks * block_size")
+            invariant(n is self.root or bool(n.blocks), "empty non-root node")
+            invariant(
+                n.lock_ref >= sum(c.lock_ref for c in n.children.values()), "lock below parent's"
+            )
             for b in n.blocks:
-                assert b not in seen, f"block {b} indexed twice"
+                invariant(b not in seen, f"block {b} indexed twice")
                 seen.add(b)
             for k, c in n.children.items():
-                assert c.parent is n and c.key[:bs] == k, "child key or parent link broken"
+                invariant(c.parent is n and c.key[:bs] == k, "child key or parent link broken")
                 stack.append(c)
-        assert len(seen) == self.num_blocks, "block count drifted"
+        invariant(len(seen) == self.num_blocks, "block count drifted")

@@ -9,26 +9,15 @@ Nothing depends on time or hashing, so a workload always schedules the same way.
 from __future__ import annotations
 
 import bisect
-import os
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.config import EngineConfig
+from tierkv.engine.invariants import check_invariants_enabled, invariant
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.sequence import Sequence, Status
-
-
-class InvariantError(RuntimeError):
-    """The engine's bookkeeping (queues, blocks, prefix tree) no longer adds up: a bug. The
-    storage tiers raise their own (storage_backends.base): the engine imports nothing of theirs."""
-
-
-def check_invariants_enabled() -> bool:
-    """The debug setting TIERKV_CHECK_INVARIANTS=1 (any value but '', 0, false, no, off)."""
-    value = os.environ.get("TIERKV_CHECK_INVARIANTS", "")
-    return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @dataclass(slots=True)
@@ -246,12 +235,9 @@ class Scheduler:
         return finished
 
     def check_when_idle(self) -> None:
-        """check_integrity, its failure as InvariantError; run when the queues have just
+        """check_integrity (a failure raises InvariantError); run when the queues have just
         emptied, with TIERKV_CHECK_INVARIANTS=1."""
-        try:
-            self.check_integrity()
-        except AssertionError as e:
-            raise InvariantError(str(e) or "engine bookkeeping broken") from e
+        self.check_integrity()
 
     def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
         seq.token_ids.append(token)
@@ -284,6 +270,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         live = self.running + list(self.held.values()) + [s for s in self.waiting if s.block_table]
         self.blocks.check_integrity(live)
-        assert all(a.seq_id < b.seq_id for a, b in zip(self.running, self.running[1:])), (
-            "running unsorted"
+        invariant(
+            all(a.seq_id < b.seq_id for a, b in zip(self.running, self.running[1:])),
+            "running unsorted",
         )

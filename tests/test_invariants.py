@@ -8,7 +8,7 @@ import pytest
 
 from tests.test_scheduler import add, make, step
 from tests.test_tiers import cost, key, seg
-from tierkv.engine.scheduler import InvariantError as EngineInvariantError
+from tierkv.engine.invariants import InvariantError as EngineInvariantError
 from tierkv.storage_backends.base import CHECK_INVARIANTS_ENV, InvariantError
 from tierkv.storage_backends.base import check_invariants_enabled as tiers_enabled
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
