@@ -5,7 +5,9 @@ and a 32-token question, documents shuffled per query; on the 8-layer bench mode
 distribution, agreement of 32 greedy tokens) for blend ratios 0..1 on 2-8 documents, also with
 the first document declared the shared prefix (the others computed after it).
 
-    python -m bench.blend [--quick]
+    python -m bench.blend [--quick] [--model bench|smollm2]
+
+With --model smollm2, CacheBlend's quality on a trained model instead (bench/blend_quality.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from bench.common import goal, parser, print_table, write_results
+from bench.common import add_model_arg, goal, parser, print_table, write_results
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
@@ -177,7 +179,20 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    args = add_model_arg(parser(__doc__)).parse_args()
+    if args.model == "smollm2":
+        from bench import blend_quality
+
+        rows, per, config = blend_quality.run(args.quick)
+        print_table(rows)
+        write_results(
+            "blend_smollm2",
+            config,
+            rows,
+            blend_quality.goals_of(rows),
+            lambda ax: blend_quality.plot(ax, rows),
+        )
+        return
     queries = 2 if args.quick else 5
     g = torch.Generator().manual_seed(5)
     vocab = RANDOM_CONFIGS["bench"]["vocab_size"]

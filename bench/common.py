@@ -1,7 +1,7 @@
 """What every benchmark shares: machine info, timing, goals, table, JSON and PNG output.
 
 Each `python -m bench.NAME` writes `bench/results/NAME.json` and `NAME.png` with
-{"bench", "machine", "config", "rows", "goals"} (see DESIGN.md).
+{"bench", "machine", "config", "rows", "goals"}; docs/benchmarks.md is generated from them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,16 @@ def machine_info() -> dict[str, Any]:
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a small version, under a minute")
+    return p
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument(
+        "--model",
+        default="bench",
+        choices=("bench", "smollm2"),
+        help="bench: the random-weight bench model; smollm2: SmolLM2-135M-Instruct (pulled)",
+    )
     return p
 
 

@@ -54,7 +54,7 @@ LATENCY_RUNS = 5  # alternating single-request decode runs of each system (media
 
 
 def bench_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16):
-    """The bench model of DESIGN.md (random weights from seed 0), saved for both engines."""
+    """The bench model (random weights from seed 0), saved for both engines."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -3,7 +3,7 @@ hits from the cpu tier, the disk tier, tierkv-server over gRPC and Redis, at 1K-
 each as a ratio to cold and next to the floor (KV bytes at memcpy speed + a one-token forward).
 Also decode speed with the connector attached and saving, against no connector.
 
-    python -m bench.ttft [--quick]
+    python -m bench.ttft [--quick] [--model bench|smollm2]
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import goal, median_time, parser, print_table, write_results
+from bench.common import add_model_arg, goal, median_time, parser, print_table, write_results
+from bench.models import BenchModel, bench_model
 from tests.services import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
-from tierkv.engine.config import RANDOM_CONFIGS
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
@@ -30,11 +30,7 @@ FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SOURCES = ["cold", "prefix", "cpu", "disk", "server", "redis"]
 
 
-def model_cfg(max_len: int) -> dict:
-    return dict(RANDOM_CONFIGS["bench"], max_position_embeddings=max_len + 512)
-
-
-def llm(cfg: dict, conn=None, prefix: bool = False, kv_bytes: int = 256 << 20) -> LLM:
+def llm(cfg: str | dict, conn=None, prefix: bool = False, kv_bytes: int = 256 << 20) -> LLM:
     return LLM(
         cfg,
         dtype="bfloat16",
@@ -55,12 +51,12 @@ def memcpy_bw(nbytes: int) -> float:
     return nbytes / median_time(lambda: dst.copy_(src), repeat=7)
 
 
-def decode_speed(cfg: dict, conn, n: int, out_len: int) -> float:
+def decode_speed(model: BenchModel, conn, n: int, out_len: int) -> float:
     """Output tokens/s of n requests of 512 new prompt tokens (saved when conn is given)
     decoding out_len tokens each."""
     g = torch.Generator().manual_seed(int(time.monotonic_ns()) % 1000)
-    prompts = [torch.randint(0, cfg["vocab_size"], (512,), generator=g).tolist() for _ in range(n)]
-    engine = llm(cfg, conn)
+    prompts = [torch.randint(0, model.vocab_size, (512,), generator=g).tolist() for _ in range(n)]
+    engine = llm(model.source, conn)
     sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     engine.generate(
         prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False
@@ -70,10 +66,13 @@ def decode_speed(cfg: dict, conn, n: int, out_len: int) -> float:
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
-    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
+    args = add_model_arg(parser(__doc__)).parse_args()
+    # SmolLM2 holds 8192 positions: its longest prompt leaves room for the first token.
+    top = 8192 if args.model == "bench" else 8000
+    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, top]
     reps = 3 if args.quick else 5
-    cfg = model_cfg(max(lengths))
+    model = bench_model(args.model, max(lengths))
+    cfg = model.source
     tmp = Path(tempfile.mkdtemp(prefix="tierkv-bench-ttft-"))
     redis = RedisProcess().start()
     server = ServerProcess(args=["--cpu-bytes", "1GiB"]).start()
@@ -107,7 +106,7 @@ def main() -> None:
         bw = memcpy_bw(32 << 20)
         for n in lengths:
             prompt = torch.randint(
-                0, cfg["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)
+                0, model.vocab_size, (n,), generator=torch.Generator().manual_seed(n)
             ).tolist()
             times = {
                 "cold": statistics.median(
@@ -140,7 +139,7 @@ def main() -> None:
                             f"{src}: only {loaded} of {n} tokens loaded; the benchmark is broken"
                         )
                 bar.update()
-            kv_bytes = n * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * 64 * 2
+            kv_bytes = model.kv_bytes(n)
             floor = kv_bytes / bw + times["prefix"]
             for src in SOURCES:
                 rows.append(
@@ -161,9 +160,9 @@ def main() -> None:
         shared = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB", remote=remote))
         rounds = [
             (
-                decode_speed(cfg, None, 4, 64),
-                decode_speed(cfg, local, 4, 64),
-                decode_speed(cfg, shared, 4, 64),
+                decode_speed(model, None, 4, 64),
+                decode_speed(model, local, 4, 64),
+                decode_speed(model, shared, 4, 64),
             )
             for _ in range(3)
         ]
@@ -235,12 +234,12 @@ def main() -> None:
         ax.legend()
 
     write_results(
-        "ttft",
+        "ttft" if args.model == "bench" else f"ttft_{args.model}",
         {
             "lengths": lengths,
             "reps": reps,
             "chunk_size": 256,
-            "model": "bench bf16",
+            "model": f"{args.model} bf16",
             "memcpy_GBps": bw / 1e9,
         },
         rows,

@@ -71,15 +71,17 @@ def join_parts(
 class BlendParams:
     ratio: float  # share of loaded context tokens recomputed after the check layer
     check_layer: int  # layers before it run in full; deviation is measured at its fresh KV
-    metric: str = "k"  # "k" or "v": which fresh-vs-cached distance ranks the tokens
+    # "k" or "v": which fresh-vs-cached distance ranks the tokens; "random": a seeded random
+    # choice, the baseline a ranking must beat (benchmarks)
+    metric: str = "k"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"blend_ratio must be in [0, 1], got {self.ratio}")
         if self.check_layer < 0:
             raise ValueError(f"blend_check_layer must be >= 0, got {self.check_layer}")
-        if self.metric not in ("k", "v"):
-            raise ValueError(f"blend_metric must be 'k' or 'v', got {self.metric!r}")
+        if self.metric not in ("k", "v", "random"):
+            raise ValueError(f"blend_metric must be 'k', 'v' or 'random', got {self.metric!r}")
 
 
 @dataclass(slots=True)
@@ -109,6 +111,13 @@ def select(fresh: torch.Tensor, cached: torch.Tensor, ratio: float) -> torch.Ten
         return torch.zeros(0, dtype=torch.long, device=fresh.device)
     dev = (fresh.float() - cached.float()).pow(2).sum(dim=(1, 2))
     return torch.topk(dev, m, sorted=False).indices.sort().values
+
+
+def random_rows(rows: torch.Tensor, ratio: float) -> torch.Tensor:
+    """A seeded random ceil(ratio * N) of rows, ascending: the same prompt picks the same."""
+    m = min(rows.numel(), math.ceil(ratio * rows.numel() - 1e-9))
+    g = torch.Generator().manual_seed(rows.numel())
+    return rows[torch.randperm(rows.numel(), generator=g)[:m].sort().values]
 
 
 def rows_of(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
@@ -174,6 +183,12 @@ def blend_forward(
         """The rows kept from layer on: the loaded rows whose cached K (or V) is farthest from
         the fresh one, and every row that was not loaded. Reads the cache before it is written."""
         conn.wait_for_layer_load(layer)
+        if params.metric == "random":
+            picked = random_rows(torch.nonzero(cand).flatten(), params.ratio)
+            mask = ~cand
+            mask[picked] = True
+            report.recomputed = int(picked.numel())
+            return torch.nonzero(mask).flatten()
         cache, which = runner.kv_caches[layer], 0 if params.metric == "k" else 1
         flat = cache[which].view(-1, *cache.shape[3:])
         cand_slots = ctx.slot_mapping[:n][cand]

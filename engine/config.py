@@ -18,7 +18,7 @@ DTYPES = {
     "fp16": torch.float16,
 }
 
-# Named random-weight models for the CLI and benchmarks; "bench" is the bench model of DESIGN.md.
+# Named random-weight models for the CLI and benchmarks; "bench" is every benchmark's default.
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=64,
@@ -141,7 +141,7 @@ class EngineConfig:
     blend_check_layer: int = (
         1  # CacheBlend: layers before it run in full; rows ranked by its K/V deviation
     )
-    blend_metric: str = "k"  # CacheBlend: rank by fresh-vs-cached distance of "k" or "v"
+    blend_metric: str = "k"  # CacheBlend ranking: "k" / "v" distance, or "random" (a baseline)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

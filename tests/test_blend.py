@@ -256,3 +256,15 @@ def test_corrupt_segment_is_computed_not_blended(ckpt) -> None:
         assert conn.stats.load_rejected == 3 and out.metrics.blend["loaded"] == 0
     finally:
         conn.close()
+
+
+def test_random_rule_picks_a_seeded_share_of_the_rows() -> None:
+    from tierkv.engine.blend import BlendParams, random_rows
+
+    rows = torch.arange(10, 110)
+    a, b = random_rows(rows, 0.15), random_rows(rows, 0.15)
+    assert torch.equal(a, b) and a.numel() == 15 and bool((a[1:] > a[:-1]).all())
+    assert set(a.tolist()) <= set(rows.tolist()) and random_rows(rows, 0.0).numel() == 0
+    BlendParams(0.15, 1, "random")
+    with pytest.raises(ValueError, match="blend_metric"):
+        BlendParams(0.15, 1, "q")
