@@ -180,20 +180,4 @@ class Assembly:
             )
         else:
             payload = torch.stack(layers)
-        return KVSegment(
-            h.key,
-            h.parent,
-            h.tokens,
-            h.fingerprint,
-            h.num_layers,
-            h.num_tokens,
-            h.num_kv_heads,
-            h.head_dim,
-            h.dtype,
-            h.quant,
-            h.scales,
-            h.base_position,
-            h.codec,
-            payload.view(h.num_layers, *h.layer_shape),
-            list(h.checksums),
-        )
+        return KVSegment.of_header(h, payload)

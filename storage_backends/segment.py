@@ -302,6 +302,11 @@ class KVSegment:
                 if checksum(raw[i * n : (i + 1) * n]) != h.checksums[i]:
                     raise SegmentError(f"layer {i}: checksum mismatch")
         payload = _frombuffer(raw, dt, 0, h.payload_raw_nbytes // dt.itemsize)
+        return KVSegment.of_header(h, payload)
+
+    @staticmethod
+    def of_header(h: SegmentHeader, payload: torch.Tensor) -> KVSegment:
+        """The segment a checked header describes, over its decoded payload (not copied)."""
         return KVSegment(
             h.key,
             h.parent,
