@@ -32,12 +32,12 @@ def machine_info() -> dict[str, Any]:
         pass
     from tierkv.kernels.cpu import cpu_flags
 
-    simd = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16")
-    simd += ("avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
+    simd = "avx avx2 fma f16c avx512f avx512bw avx512_bf16 avx512_fp16 avx512_vnni amx_tile"
+    simd += " amx_bf16 amx_int8 neon asimd sve"
     info = {
         "cpu": cpu,
         # the SIMD flags the kernels and torch's GEMMs depend on; all flags below
-        "flags": [f for f in simd if f in cpu_flags()],
+        "flags": [f for f in simd.split() if f in cpu_flags()],
         "all_flags": sorted(cpu_flags()),
         "threads": os.cpu_count(),
         "torch": torch.__version__,

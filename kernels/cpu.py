@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -58,9 +59,11 @@ def _build_dir() -> Path:
     another CPU (a cached build from a different host could hit an illegal instruction)."""
     flags = " ".join(sorted(cpu_flags()))
     code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER, PREFILL, GEMV))
-    tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    # Two ninja builds record their commands differently and rebuild each other's objects.
+    ninja = shutil.which("ninja") or ""
+    tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode() + ninja.encode())
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
-    path = root / f"cpu-{tag}"
+    path = root / f"cpu-{tag.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
