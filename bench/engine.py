@@ -2,7 +2,7 @@
 transformers `generate` (padded batches of 32) on the same weights; (b) a shared 1K-token
 system prompt with prefix caching on vs off; (c) allocated KV slots holding no token.
 
-python -m bench.engine [--quick] [--dtype bf16|fp32] [--rounds N]
+python -m bench.engine [--quick] [--dtype bf16|fp32] [--rounds N] [--model bench|smollm2]
 
 --dtype fp32 runs both systems in fp32 (results in engine_fp32.json): on a CPU without native
 bf16 GEMMs, where tierkv computes its bf16 linear layers in fp32 and HF does not, it shows how
@@ -19,7 +19,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from bench.common import goal, parser, print_table, write_results
+from bench.common import add_model_arg, goal, parser, print_table, write_results
+from bench.models import safetensors_copy
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
 from tierkv.kernels.layer_ops import native_matmul
@@ -148,12 +149,19 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=0, help="rounds of (a) (default 3, 1 with --quick)"
     )
-    args = ap.parse_args()
+    args = add_model_arg(ap).parse_args()
     c = dict(QUICK if args.quick else FULL)
     c["rounds"] = args.rounds or c["rounds"]
     torch.manual_seed(0)
     rows, tmp = [], tempfile.mkdtemp(prefix="tierkv-bench-")
-    hf = bench_checkpoint(tmp, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.model == "smollm2":  # both systems read the same safetensors copy of the GGUF
+        from transformers import LlamaForCausalLM
+
+        tmp = str(safetensors_copy())
+        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=dt).eval()
+    else:
+        hf = bench_checkpoint(tmp, dt)
 
     # (a) throughput: rounds alternate the two systems, each round on its own prompts (seed),
     # so drift on this shared machine hits both; the goal takes the median of the round ratios.
@@ -292,12 +300,15 @@ def main() -> None:
         ax.set_ylabel("output tokens/s")
         ax.tick_params(axis="x", labelsize=7)
 
+    name = "engine" if args.dtype == "bf16" else "engine_fp32"
     write_results(
-        "engine" if args.dtype == "bf16" else "engine_fp32",
+        name if args.model == "bench" else f"{name}_{args.model}",
         dict(
             c,
             quick=args.quick,
-            model=f"bench (hidden 512, 8 layers, {args.dtype}, seed 0)",
+            model=f"bench (hidden 512, 8 layers, {args.dtype}, seed 0)"
+            if args.model == "bench"
+            else f"SmolLM2-135M-Instruct ({args.dtype})",
             max_num_batched_tokens=2048,
             threads=torch.get_num_threads(),
             native_bf16_matmul=native_matmul(torch.bfloat16, torch.device("cpu")),
