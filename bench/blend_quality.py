@@ -31,7 +31,10 @@ SYSTEM = (
     "documentation given by the user.<|im_end|>\n<|im_start|>user\n"
 )
 RATIOS = [0.0, 0.05, 0.15, 0.3, 0.5, 1.0]
-RULES = [("k", 1), ("random", 1), ("v", 1), ("k", 2), ("k", 3)]  # (metric, check layer) at 0.15
+# (metric, check layer, gradual layers) at 0.15; gradual: CacheBlend's gradual filtering, 2x the
+# ratio picked at the check layer, narrowed by K deviation over the next layers (engine/blend.py)
+RULES = [("k", 1, 0), ("random", 1, 0), ("v", 1, 0), ("k", 2, 0), ("k", 3, 0)]
+RULES += [("k", 1, 2), ("k", 1, 4), ("v", 1, 4)]
 
 
 def pages(tokenizer: Any, tokens: int) -> dict[str, list[int]]:
@@ -103,8 +106,8 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     conn = TierKVConnector(ConnectorConfig(chunk_size=64, cpu_bytes="2GiB"))
     blend = LLM(model.source, dtype="bf16", kv_cache_bytes=256 << 20, kv_connector=conn)
     full_rec, blend_rec = FirstLogits(full), FirstLogits(blend)
-    variants = [("k", 1, r) for r in ratios] + [
-        (m, c, 0.15) for m, c in rules if (m, c) != ("k", 1)
+    variants = [("k", 1, 0, r) for r in ratios] + [
+        (m, c, g, 0.15) for m, c, g in rules if (m, c, g) != ("k", 1, 0)
     ]
     per: list[dict[str, Any]] = []
     bar = tqdm(total=len(qs) * (1 + len(variants)), desc="blend quality")
@@ -117,8 +120,8 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
         parts = [PromptPart(system, prefix=True)] + [PromptPart(docs[m]) for m in mods]
         parts.append(PromptPart(tail, reusable=False))
         blend.generate([parts], SamplingParams(max_tokens=1, blend_ratio=0.0), use_tqdm=False)
-        for metric, check, ratio in variants:
-            blend.config.blend_metric = metric
+        for metric, check, gradual, ratio in variants:
+            blend.config.blend_metric, blend.config.blend_gradual = metric, gradual
             sp = SamplingParams(
                 max_tokens=tokens,
                 temperature=0.0,
@@ -133,7 +136,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
             per.append(
                 {
                     "docs": len(mods),
-                    "rule": f"{metric}@{check}",
+                    "rule": f"{metric}@{check}" + (f"/g{gradual}" if gradual else ""),
                     "ratio": ratio,
                     "kl": float(kl),
                     "top1": out.token_ids[0] == ref.token_ids[0],

@@ -31,7 +31,9 @@ class ConnectorConfig:
     kv_dtype: str = "auto"  # KV dtype in storage: auto (the engine cache's) | fp8 (e4m3, scales)
     # segment codec: none | lz4 | shuffle+lz4 (measure first: fp16 KV barely shrinks)
     codec: str = "none"
-    save_partial_chunks: bool = False  # also store a prompt's last, partial chunk
+    # Also store a prompt's last, partial chunk: an exact repeat then loads all but its last
+    # token instead of recomputing up to chunk_size tokens, at one extra segment per prompt.
+    save_partial_chunks: bool = True
     save: bool = True  # store new prompt chunks after prefill (False: read-only client)
     lookup_timeout_s: float = 2.0  # the scheduler-side Lookup; a timeout is a miss
     load_timeout_s: float = 10.0  # a step's loads; past it the tokens are recomputed

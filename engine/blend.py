@@ -74,6 +74,7 @@ class BlendParams:
     # "k" or "v": which fresh-vs-cached distance ranks the tokens; "random": a seeded random
     # choice, the baseline a ranking must beat (benchmarks)
     metric: str = "k"
+    gradual: int = 0  # layers after check_layer over which the picked share narrows from 2x
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -82,6 +83,15 @@ class BlendParams:
             raise ValueError(f"blend_check_layer must be >= 0, got {self.check_layer}")
         if self.metric not in ("k", "v", "random"):
             raise ValueError(f"blend_metric must be 'k', 'v' or 'random', got {self.metric!r}")
+        if self.gradual < 0:
+            raise ValueError(f"blend_gradual must be >= 0, got {self.gradual}")
+
+    def share(self, step: int) -> float:
+        """The share of loaded rows picked at check_layer + step: ratio without gradual
+        filtering; with it, 2x ratio at the check layer narrowing linearly to ratio."""
+        if not self.gradual:
+            return self.ratio
+        return min(1.0, self.ratio * (2.0 - min(step, self.gradual) / self.gradual))
 
 
 @dataclass(slots=True)
@@ -170,39 +180,57 @@ def blend_forward(
             max_seqlen_k=ctx.all.max_seqlen_k,
         )
 
+    def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        cache = runner.kv_caches[layer]
+        ks, vs = runner.layer_scales(layer)
+        write_kv(k, v, cache[0], cache[1], slots, ks, vs)
+
     def subset_attend(
         layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        cache = runner.kv_caches[layer]
-        ks, vs = runner.layer_scales(layer)
         conn.wait_for_layer_load(layer)
-        write_kv(k, v, cache[0], cache[1], slots, ks, vs)
+        write(layer, k, v)
         return attention(layer, q)
+
+    def cached(layer: int, which: int, at: torch.Tensor) -> torch.Tensor:
+        """The cached K (which=0) or V of cache slots `at`, before this step writes them."""
+        cache = runner.kv_caches[layer]
+        flat = cache[which].view(-1, *cache.shape[3:])
+        if kv_dtype.itemsize == 1:  # fp8: index its bytes, compare in real units
+            x = flat.view(torch.uint8).index_select(0, at).view(kv_dtype).float()
+            return x * runner.layer_scales(layer)[which].view(-1, 1)
+        return flat.index_select(0, at)
 
     def rank(layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The rows kept from layer on: the loaded rows whose cached K (or V) is farthest from
         the fresh one, and every row that was not loaded. Reads the cache before it is written."""
         conn.wait_for_layer_load(layer)
+        rows = torch.nonzero(cand).flatten()
         if params.metric == "random":
-            picked = random_rows(torch.nonzero(cand).flatten(), params.ratio)
-            mask = ~cand
-            mask[picked] = True
-            report.recomputed = int(picked.numel())
-            return torch.nonzero(mask).flatten()
-        cache, which = runner.kv_caches[layer], 0 if params.metric == "k" else 1
-        flat = cache[which].view(-1, *cache.shape[3:])
-        cand_slots = ctx.slot_mapping[:n][cand]
-        if kv_dtype.itemsize == 1:  # fp8: index its bytes, compare in real units
-            cached = flat.view(torch.uint8).index_select(0, cand_slots).view(kv_dtype).float()
-            cached = cached * runner.layer_scales(layer)[which].view(-1, 1)
+            picked = random_rows(rows, params.share(0))
         else:
-            cached = flat.index_select(0, cand_slots)
-        picked = torch.nonzero(cand).flatten()[
-            select((k if which == 0 else v)[:n][cand], cached, params.ratio)
-        ]
+            which = 0 if params.metric == "k" else 1
+            fresh = (k if which == 0 else v)[:n][cand]
+            picked = rows[
+                select(fresh, cached(layer, which, ctx.slot_mapping[:n][cand]), params.share(0))
+            ]
         mask = ~cand
         mask[picked] = True
         report.recomputed = int(picked.numel())
+        return torch.nonzero(mask).flatten()
+
+    def narrow(layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Gradual filtering: of the kept rows (indices into them), every one not loaded and
+        the loaded ones whose cached K at layer is farthest from the fresh K, down to the
+        layer's share of all loaded rows."""
+        conn.wait_for_layer_load(layer)
+        loaded = cand[keep]
+        rows = torch.nonzero(loaded).flatten()
+        m = min(rows.numel(), math.ceil(params.share(layer - first + 1) * report.loaded - 1e-9))
+        mask = ~loaded
+        if m:
+            top = select(k[rows], cached(layer, 0, slots[rows]), m / rows.numel())
+            mask[rows[top]] = True
         return torch.nonzero(mask).flatten()
 
     if params.ratio == 0.0:  # plain concatenation of the cached KV: only the rest is computed
@@ -226,7 +254,18 @@ def blend_forward(
         runner.store(c, k, v)
         h = layer.finish(h[keep], attention(c, q[keep]))
     for i in range(first, len(model.layers)):
-        h = model.layers[i](i, h, pos, subset_attend)
+        if params.metric == "random" or params.ratio == 0.0 or i - first >= params.gradual:
+            h = model.layers[i](i, h, pos, subset_attend)
+            continue
+        # Gradual filtering: fresh K/V of every kept row (written), then attention and MLP
+        # only for the rows that stay.
+        layer = model.layers[i]
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), pos)
+        sub = narrow(i, k)
+        write(i, k, v)
+        keep, pos, pos32, slots, cu = kept(keep[sub])
+        report.recomputed = int(cand[keep].sum())
+        h = layer.finish(h[sub], attention(i, q[sub]))
     ctx.logits_indices = torch.tensor([h.shape[0] - 1], device=h.device)
     ctx.num_sampled = 1
     return h

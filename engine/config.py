@@ -142,6 +142,10 @@ class EngineConfig:
         1  # CacheBlend: layers before it run in full; rows ranked by its K/V deviation
     )
     blend_metric: str = "k"  # CacheBlend ranking: "k" / "v" distance, or "random" (a baseline)
+    # CacheBlend gradual filtering: 0 picks the recomputed rows once, at the check layer; g > 0
+    # picks 2x blend_ratio there and re-ranks the picked rows at each of the next g layers by
+    # their K deviation at that layer, narrowing linearly to blend_ratio.
+    blend_gradual: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -100,6 +100,7 @@ class LLM:
         blend_ratio: float = 0.15,
         blend_check_layer: int = 1,
         blend_metric: str = "k",
+        blend_gradual: int = 0,
         matmul_dtype: str = "auto",
     ) -> None:
         self.config = EngineConfig(
@@ -115,9 +116,11 @@ class LLM:
             blend_ratio=blend_ratio,
             blend_check_layer=blend_check_layer,
             blend_metric=blend_metric,
+            blend_gradual=blend_gradual,
             matmul_dtype=matmul_dtype,
         )
-        BlendParams(blend_ratio, blend_check_layer, blend_metric)  # checks the global knobs now
+        # checks the global knobs now
+        BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed
         )
@@ -180,7 +183,7 @@ class LLM:
         layer = (
             c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
         )
-        return BlendParams(ratio, layer, c.blend_metric)
+        return BlendParams(ratio, layer, c.blend_metric, c.blend_gradual)
 
     def ingest(self, segments: list[list[int]], prefix: list[int] | None = None) -> int:
         """Store the KV of each segment the connector lacks, once each, computed standalone

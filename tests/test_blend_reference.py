@@ -58,8 +58,12 @@ class Dense:
             h = self.finish(i, h, self.attend(q, pos, k, v, pos))
         return kv
 
-    def blend(self, order: list[int], ratio: float, check: int) -> tuple[torch.Tensor, int]:
-        """Next-token logits of the blended prompt, and how many loaded rows were recomputed."""
+    def blend(
+        self, order: list[int], ratio: float, check: int, gradual: int = 0
+    ) -> tuple[torch.Tensor, int]:
+        """Next-token logits of the blended prompt, and how many loaded rows were recomputed.
+        gradual: the check layer keeps 2x ratio, then each of the next `gradual` layers keeps
+        the kept loaded rows farthest from their cached K there, narrowing linearly to ratio."""
         tokens, cached, off = [], [], 0
         for j in order:
             cached.append(self.prefill(DOCS[j], off))
@@ -75,7 +79,11 @@ class Dense:
             h = self.finish(i, h, self.attend(q, pos, k, v, pos))
         q, k, v = self.qkv(check, h, pos)
         dev = (k[:, :loaded] - kc[check]).pow(2).sum(dim=(0, 2))
-        m = math.ceil(ratio * loaded - 1e-9)
+
+        def share(step: int) -> float:
+            return ratio if not gradual else min(1.0, ratio * (2 - min(step, gradual) / gradual))
+
+        m = math.ceil(share(0) * loaded - 1e-9)
         keep = torch.cat(
             [torch.topk(dev, m).indices.sort().values, torch.arange(loaded, len(tokens))]
         )
@@ -84,20 +92,35 @@ class Dense:
             q, k, v = self.qkv(i, h, pos[keep])
             K = torch.cat([kc[i], k[:, -len(QUESTION) :]], 1)
             V = torch.cat([vc[i], v[:, -len(QUESTION) :]], 1)
+            sub = torch.arange(len(keep))
+            if i - check <= gradual:  # re-rank the kept loaded rows by their K deviation here
+                ctx = keep < loaded
+                dev = (k[:, ctx] - kc[i][:, keep[ctx]]).pow(2).sum(dim=(0, 2))
+                m = min(int(ctx.sum()), math.ceil(share(i - check) * loaded - 1e-9))
+                top = torch.topk(dev, m).indices.sort().values
+                sub = torch.cat([torch.nonzero(ctx).flatten()[top], torch.nonzero(~ctx).flatten()])
             K[:, keep], V[:, keep] = k, v
+            h, q, keep = h[sub], q[:, sub], keep[sub]
             h = self.finish(i, h, self.attend(q, pos[keep], K, V, pos))
         return self.hf.lm_head(self.hf.model.norm(h[-1])), m
 
 
 @pytest.mark.parametrize(
-    "ratio,check", [pytest.param(0.3, 1, marks=pytest.mark.triton_path), (0.15, 2), (0.6, 1)]
+    "ratio,check,gradual",
+    [
+        pytest.param(0.3, 1, 0, marks=pytest.mark.triton_path),
+        (0.15, 2, 0),
+        (0.6, 1, 0),
+        (0.2, 1, 2),
+    ],
 )
-def test_blend_matches_dense_reference(ckpt, conn, ratio: float, check: int) -> None:
+def test_blend_matches_dense_reference(ckpt, conn, ratio: float, check: int, gradual: int) -> None:
     path, hf = ckpt
     order = [2, 0, 1]
     with torch.no_grad():
-        ref, m = Dense(hf).blend(order, ratio, check)
+        ref, m = Dense(hf).blend(order, ratio, check, gradual)
     llm = engine(path, conn)
+    llm.config.blend_gradual = gradual
     got, _, metrics = first_logits(
         llm,
         prompt(order),

@@ -34,6 +34,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 PROMPT = tokens(330, 1)  # 5 full chunks of 64 and a partial one
+HIT = len(PROMPT) - 1  # a repeat loads all but the last token: the full chunks and the tail
 
 
 def engine(conn=None, seed: int = 0, dtype: str = "float32") -> LLM:
@@ -70,13 +71,13 @@ def check_reuse(writer: TierKVConnector, reader, cold: dict, tier: str) -> None:
     writer ran) then serves full, partial and longer prompts."""
     first = run(writer, PROMPT)
     assert first.token_ids == cold["full"]
-    assert writer.stats.saved_chunks == 5
+    assert writer.stats.saved_chunks == 6  # 5 full chunks and the partial tail
     if not isinstance(reader, TierKVConnector):
         reader = reader()
     full = run(reader, PROMPT)
     assert full.token_ids == cold["full"]
-    assert full.metrics.external_tokens == 5 * CHUNK
-    assert full.metrics.connector["loaded_tokens"] == {tier: 5 * CHUNK}
+    assert full.metrics.external_tokens == len(PROMPT) - 1  # the tail too; the last token computes
+    assert full.metrics.connector["loaded_tokens"] == {tier: len(PROMPT) - 1}
     part = run(reader, PROMPT[:200] + tokens(90, 2))  # the hit ends inside the prompt's 4th chunk
     assert part.token_ids == cold["partial"]
     assert part.metrics.external_tokens == 3 * CHUNK
@@ -152,10 +153,10 @@ def test_local_tier_promotes_remote_hits(cold, redis_proc) -> None:
     )
     try:
         run(writer, PROMPT)
-        assert run(reader, PROMPT).metrics.connector["loaded_tokens"] == {"redis": 5 * CHUNK}
+        assert run(reader, PROMPT).metrics.connector["loaded_tokens"] == {"redis": HIT}
         again = run(reader, PROMPT)
         assert again.token_ids == cold["full"]
-        assert again.metrics.connector["loaded_tokens"] == {"cpu": 5 * CHUNK}
+        assert again.metrics.connector["loaded_tokens"] == {"cpu": HIT}
     finally:
         writer.close()
         reader.close()
@@ -182,8 +183,8 @@ def test_second_process_reuses_first_process_kv_through_server(cold) -> None:
         a, b = outs
         assert a["tokens"] == b["tokens"] == cold["full"]
         assert a["metrics"]["external_tokens"] == 0
-        assert b["metrics"]["external_tokens"] == 5 * CHUNK
-        assert b["metrics"]["connector"]["loaded_tokens"] == {"remote": 5 * CHUNK}
+        assert b["metrics"]["external_tokens"] == HIT
+        assert b["metrics"]["connector"]["loaded_tokens"] == {"remote": HIT}
     finally:
         server.stop(kill=True)
 
@@ -234,13 +235,13 @@ def test_faults_recompute_and_count(cold, mode: str, counter: str) -> None:
         out = run(conn, PROMPT)
         assert out.token_ids == cold["full"]
         assert getattr(conn.stats, counter) >= 1
-        assert conn.stats.recomputed_tokens == 5 * CHUNK
-        assert out.metrics.connector["recomputed_tokens"] == 5 * CHUNK
+        assert conn.stats.recomputed_tokens == HIT
+        assert out.metrics.connector["recomputed_tokens"] == HIT
         assert out.metrics.connector["loaded_tokens"] == {}
         if mode == "slow":  # the engine waited about its deadline, not the tier's 3 s
             assert out.metrics.ttft < 2.5
         tier.mode = "none"
-        assert run(conn, PROMPT).metrics.connector["loaded_tokens"] == {"cpu": 5 * CHUNK}
+        assert run(conn, PROMPT).metrics.connector["loaded_tokens"] == {"cpu": HIT}
     finally:
         conn.close()
 
@@ -254,18 +255,18 @@ def test_salts_other_model_dtype_or_namespace_never_hit(redis_proc) -> None:
     a, b = conn("tenant-a"), conn("tenant-b")
     try:
         run(a, PROMPT)
-        assert a.stats.saved_chunks == 5
+        assert a.stats.saved_chunks == 6
         other_weights = engine(a, seed=1).generate([PROMPT], GREEDY, use_tqdm=False)[0]
         other_dtype = engine(a, dtype="bfloat16").generate([PROMPT], GREEDY, use_tqdm=False)[0]
         other_tenant = run(b, PROMPT)
         for out in (other_weights, other_dtype, other_tenant):
             assert out.metrics.external_tokens == 0
-        assert run(a, PROMPT).metrics.external_tokens == 5 * CHUNK  # the owner still hits
+        assert run(a, PROMPT).metrics.external_tokens == HIT  # the owner still hits
         import redis
 
         r = redis.Redis(port=redis_proc.port)
-        assert len(r.keys("tierkv:tenant-a:*")) == 5 + 5 + 5  # three models' chunks, all tenant a
-        assert len(r.keys("tierkv:tenant-b:*")) == 5
+        assert len(r.keys("tierkv:tenant-a:*")) == 6 + 6 + 6  # three models' chunks, all tenant a
+        assert len(r.keys("tierkv:tenant-b:*")) == 6
     finally:
         a.close()
         b.close()
@@ -282,8 +283,8 @@ def test_prometheus_metrics(cold) -> None:
         run(conn, PROMPT)
         run(conn, PROMPT)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert f"tierkv_connector_loaded_tokens_total {5 * CHUNK}.0" in text
-        assert "tierkv_connector_saved_chunks_total 5.0" in text
+        assert f"tierkv_connector_loaded_tokens_total {HIT}.0" in text
+        assert "tierkv_connector_saved_chunks_total 6.0" in text
         assert 'tierkv_tier_hits_total{tier="cpu"}' in text
     finally:
         conn.close()
@@ -305,7 +306,7 @@ def test_fp8_engine_cache_reuse_matches_its_own_cold_run() -> None:
         first = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
         conn.flush()
         again = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
-        assert again.metrics.external_tokens == 5 * CHUNK
+        assert again.metrics.external_tokens == HIT
         assert again.token_ids == first.token_ids
     finally:
         conn.close()

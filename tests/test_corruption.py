@@ -159,14 +159,14 @@ def test_foreign_segments_under_our_keys_are_never_injected(
         engine(writer).generate([PROMPT], GREEDY, use_tqdm=False)
         writer.flush()
         names = r.keys("tierkv:default:*")
-        assert len(names) == 5
+        assert len(names) == 6  # 5 full chunks and the tail
         for n in names:
             r.set(n, foreign(r.get(n), how))
         reader = TierKVConnector(cfg)
         out = engine(reader).generate([PROMPT], GREEDY, use_tqdm=False)[0]
         reader.flush()
         assert out.token_ids == cold and out.metrics.connector["loaded_tokens"] == {}
-        assert out.metrics.connector["recomputed_tokens"] == 5 * CHUNK
+        assert out.metrics.connector["recomputed_tokens"] == len(PROMPT) - 1
         st = reader.stats
         if how == "format v2":  # refused by the tier's decode: a miss, counted, removed
             assert st.load_rejected == 0 and reader.store.stats().errors >= 1

@@ -250,7 +250,7 @@ def test_hung_cache_server_does_not_hold_the_engine() -> None:
         assert took < 3.0, f"the engine waited {took:.1f} s on a hung server"
         server.proc.send_signal(signal.SIGCONT)
         again = engine(reader).generate([PROMPT], GREEDY, use_tqdm=False)[0]
-        assert again.token_ids == cold and again.metrics.external_tokens == 5 * CHUNK
+        assert again.token_ids == cold and again.metrics.external_tokens == len(PROMPT) - 1
         reader.close()
     finally:
         server.proc.send_signal(signal.SIGCONT)
