@@ -1,8 +1,10 @@
 """Cache server throughput and latency: `python -m bench.server [--quick]`.
 
-One run measures put and get of 4 and 32 MiB segments by 1 and 4 concurrent clients for
-tierkv-server (cpu tier), tierkv-server (redis tier), raw redis-py SET/GET of the same
-bytes, and a raw loopback TCP transfer (the ceiling), plus Lookup latency for 64 keys.
+One run measures put and get of 1, 4 and 32 MiB segments by 1 and 4 concurrent clients, and
+of 256 KiB segments by 64, for tierkv-server's cpu tier over gRPC and over its same-host
+shared-memory data plane (puts stay on gRPC), tierkv-server's redis tier, raw redis-py
+SET/GET of the same bytes, a raw loopback TCP transfer (the ceiling of a socket) and a
+memcpy of the same bytes (the ceiling of shared memory), plus Lookup latency for 64 keys.
 Servers are real processes on loopback; clients share this process' event loop.
 """
 
@@ -24,15 +26,16 @@ from tqdm import tqdm
 from bench.common import goal, parser, print_table, write_results
 from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.shm_client import ShmTier
 from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.segment import KVSegment
 
 HDR = struct.Struct("<cQ")  # op (b"G" or b"P"), length
 
 
-def make_segment(mib: int, seed: int) -> KVSegment:
+def make_segment(mib: float, seed: int) -> KVSegment:
     """Bench-model layout (8 layers, 2 KV heads, head_dim 64, bf16): 4 KiB per token."""
-    tokens = mib * MiB // 4096
+    tokens = int(mib * MiB) // 4096
     kv = torch.randn(8, 2, tokens, 2, 64, generator=torch.Generator().manual_seed(seed)).to(
         torch.bfloat16
     )
@@ -96,9 +99,9 @@ async def rounds(fn: Callable[[int, int], Awaitable[None]], clients: int, repeat
 
 
 async def bench_tierkv(
-    target: str, segs: dict[int, KVSegment], clients: int, repeat: int
+    target: str, segs: dict[int, KVSegment], clients: int, repeat: int, shm: bool = False
 ) -> tuple[float, float]:
-    tiers = [RemoteTier(target=target) for _ in range(clients)]
+    tiers = [(ShmTier if shm else RemoteTier)(target=target) for _ in range(clients)]
     seg = next(iter(segs.values()))
     keys = {
         (c, r): (c * 1000 + r + 7).to_bytes(16, "little")
@@ -122,11 +125,27 @@ async def bench_tierkv(
 
     t_put = await rounds(put, clients, repeat)
     t_get = await rounds(get, clients, repeat)
+    if shm and any(t.stats().errors or t._session is None for t in tiers):
+        raise RuntimeError("the shared-memory data plane was not used; the benchmark is broken")
     for t in tiers:
         for r in range(-1, repeat):
             await t.delete(keys[(tiers.index(t), r)])
         await t.close()
     return t_put, t_get
+
+
+def bench_memcpy(nbytes: int, clients: int, repeat: int) -> tuple[float, float]:
+    """One copy of the bytes per client (what a shared-memory get cannot beat)."""
+    src = [torch.empty(nbytes, dtype=torch.uint8).fill_(1) for _ in range(clients)]
+    dst = [torch.empty_like(x) for x in src]
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        for a, b in zip(dst, src):
+            a.copy_(b)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times[1:])
+    return t, t
 
 
 async def bench_redis(url: str, value: bytearray, clients: int, repeat: int) -> tuple[float, float]:
@@ -192,7 +211,7 @@ async def bench_lookup(target: str, n: int) -> tuple[float, float]:
 
 async def main() -> None:
     args = parser("tierkv-server put/get throughput and Lookup latency").parse_args()
-    sizes, conc = [4, 32], [1, 4]
+    sizes, conc = [1, 4, 32], [1, 4]
     repeat = 3 if args.quick else 7
     redis = RedisProcess(extra=["--maxmemory", "4gb"]).start()
     cpu_srv = ServerProcess(
@@ -211,16 +230,20 @@ async def main() -> None:
         ]
     ).start()
     rows = []
-    cases = [(mib, c) for mib in sizes for c in conc]
-    bar = tqdm(total=len(cases) * 4, desc="bench.server", unit="case")
+    cases: list[tuple[float, int]] = [(mib, c) for mib in sizes for c in conc] + [(0.25, 64)]
+    bar = tqdm(total=len(cases) * 6, desc="bench.server", unit="case")
     try:
         for mib, c in cases:
-            seg = make_segment(mib, seed=mib)
+            seg = make_segment(mib, seed=int(mib * 4))
             value = seg.encode()  # the very bytes tierkv moves, for redis-py and TCP
             tcp, port = tcp_server(len(value))
             results = {}
             results["tierkv-server (cpu tier)"] = await bench_tierkv(
                 cpu_srv.target, {0: seg}, c, repeat
+            )
+            bar.update()
+            results["tierkv-server (shared memory)"] = await bench_tierkv(
+                cpu_srv.target, {0: seg}, c, repeat, shm=True
             )
             bar.update()
             results["tierkv-server (redis tier)"] = await bench_tierkv(
@@ -232,6 +255,8 @@ async def main() -> None:
             results["loopback TCP"] = await asyncio.to_thread(
                 bench_tcp, port, len(value), c, 3 * repeat
             )
+            bar.update()
+            results["memcpy"] = bench_memcpy(len(value), c, 3 * repeat)
             bar.update()
             tcp.kill()
             for system, (tp, tg) in results.items():
@@ -277,19 +302,43 @@ async def main() -> None:
         ],
     )
 
-    def at(system: str, mib: int, c: int) -> dict:
+    def at(system: str, mib: float, c: int) -> dict:
         return next(
             r for r in rows if r["system"] == system and r["size_mib"] == mib and r["clients"] == c
         )
 
     grpc_get = at("tierkv-server (cpu tier)", 32, 1)["get_gbps"]
+    ratio = lambda a, b, m, c: at(a, m, c)["get_gbps"] / at(b, m, c)["get_gbps"]
     goals = [
         goal(
-            "cpu-tier get via gRPC / loopback TCP get, 32 MiB, 1 client",
-            grpc_get / at("loopback TCP", 32, 1)["get_gbps"],
+            f"cpu-tier get via gRPC / loopback TCP get, {m} MiB, 1 client",
+            ratio("tierkv-server (cpu tier)", "loopback TCP", m, 1),
             ">=",
-            0.40,
+            0.70,
             "ratio",
+        )
+        for m in sizes
+    ]
+    goals += [
+        goal(
+            f"shared-memory get / memcpy, {m} MiB, 1 client",
+            ratio("tierkv-server (shared memory)", "memcpy", m, 1),
+            ">=",
+            0.50,
+            "ratio",
+        )
+        for m in sizes
+    ]
+    goals += [
+        goal(
+            "64 concurrent 256 KiB gets, best tierkv path",
+            max(
+                at(s, 0.25, 64)["get_gbps"]
+                for s in ("tierkv-server (cpu tier)", "tierkv-server (shared memory)")
+            ),
+            ">=",
+            1.5,
+            "GB/s",
         ),
         goal(
             "cpu-tier get via gRPC / redis-py GET, 32 MiB, 1 client",

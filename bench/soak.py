@@ -38,7 +38,7 @@ from tierkv.storage_backends.segment import KVSegment
 
 CLIENTS, SLOTS = 8, 64  # each client owns SLOTS keys: 512 x 128 KiB = 64 MiB, over the cpu tier
 SHAPE = (4, 2, 64, 2, 64)  # fp16: 128 KiB per segment
-CPU, DISK, POOL, OVERHEAD = 32 * MiB, 256 * MiB, 16 * MiB, 128 * MiB
+CPU, DISK, INFLIGHT, OVERHEAD = 32 * MiB, 256 * MiB, 64 * MiB, 128 * MiB
 BIN = 0.5  # seconds per throughput bin
 
 
@@ -211,8 +211,8 @@ async def run(duration: float, quick: bool) -> tuple[list[dict], list[dict], dic
             str(CPU),
             "--disk-bytes",
             str(DISK),
-            "--recv-pool-bytes",
-            str(POOL),
+            "--max-inflight-bytes",
+            str(INFLIGHT),
             "--redis-url",
             redis.url,
             "--redis-timeout-s",
@@ -320,7 +320,7 @@ async def run(duration: float, quick: bool) -> tuple[list[dict], list[dict], dic
         "durable_checked": s.durable_checked,
         "faults": len(faults),
         "idle_rss_MiB": idle_rss / MiB,
-        "rss_bound_MiB": (idle_rss + CPU + POOL + OVERHEAD) / MiB,
+        "rss_bound_MiB": (idle_rss + CPU + INFLIGHT + OVERHEAD) / MiB,
         "bins": [[float(t), rate(done, t, t + BIN)] for t in np.arange(0, bounds[-1], BIN)],
         "rss": [[float(t), float(v / MiB)] for t, v in rss],
         "fault_windows": faults,
@@ -395,7 +395,7 @@ def main() -> None:
         "segment_bytes": int(np.prod(SHAPE)) * 2,
         "cpu_bytes": CPU,
         "disk_bytes": DISK,
-        "recv_pool_bytes": POOL,
+        "max_inflight_bytes": INFLIGHT,
         "overhead_bytes": OVERHEAD,
         "summary": {k: v for k, v in s.items() if k not in ("bins", "rss", "bounds")},
     }

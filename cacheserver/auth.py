@@ -31,10 +31,17 @@ class Auth:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
+        return self.of_token(token.strip())
+
+    def of_token(self, token: str) -> str | None:
+        """The namespace of a bare token (the data plane's HELLO), or None when auth is on and
+        it matches none."""
+        if not self.tokens:
+            return DEFAULT_NAMESPACE
         found = None
         for known, ns in self.tokens.items():
             # Check every token so timing does not reveal which prefix matched.
-            if hmac.compare_digest(known.encode(), token.strip().encode()):
+            if hmac.compare_digest(known.encode(), token.encode()):
                 found = ns
         return found
 

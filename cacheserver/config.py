@@ -74,8 +74,15 @@ class ServerConfig:
     max_frames: int = 4096  # most payload frames in one Put
     max_streams: int = 64  # concurrent Put/Get/GetMany streams, server-wide
     max_keys: int = 4096  # most keys in one Lookup/GetMany/Delete
-    recv_pool_bytes: int = 256 * MiB  # idle Put receive buffers kept for reuse
+    # Bytes held by Puts still being received, server-wide: receive buffers grow as bytes
+    # arrive (never from a declared size); past this a Put fails with RESOURCE_EXHAUSTED.
+    max_inflight_bytes: int = 1 << 30
     grace_s: float = 10.0  # SIGTERM: time in-flight RPCs get to finish
+    # The same-host data plane (loads over shared memory, docs/server.md): its Unix socket,
+    # "auto" for <cache_dir>/data-<port>.sock, "" to turn it off.
+    data_socket: str = "auto"
+    shm_region_bytes: int = 256 * MiB  # each data plane session's shared-memory region
+    max_sessions: int = 64  # data plane sessions at once, server-wide
 
     def __post_init__(self) -> None:
         self.check()
@@ -87,7 +94,15 @@ class ServerConfig:
             raise ConfigError("tls_cert and tls_key go together")
         if not 0 < self.max_frame_bytes <= 4 * MiB:
             raise ConfigError("max_frame_bytes must be in 1..4MiB")
-        for name in ("max_frames", "max_streams", "max_keys", "max_segment_bytes"):
+        for name in (
+            "max_frames",
+            "max_streams",
+            "max_keys",
+            "max_segment_bytes",
+            "max_inflight_bytes",
+            "shm_region_bytes",
+            "max_sessions",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.grace_s < 0:
@@ -100,6 +115,14 @@ class ServerConfig:
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir).expanduser()
+
+    def data_socket_path(self, port: int) -> Path | None:
+        """The data plane's Unix socket for a server bound to port; None when it is off."""
+        if not self.data_socket:
+            return None
+        if self.data_socket == "auto":
+            return self.cache_path / f"data-{port}.sock"
+        return Path(self.data_socket).expanduser()
 
     def tiers(self) -> TiersConfig:
         """The tier knobs, for storage_backends.build.build_tiers: the disk tier lives in
@@ -119,7 +142,14 @@ class ServerConfig:
         return bool(self.tokens)
 
 
-_SIZES = {"cpu_bytes", "disk_bytes", "max_segment_bytes", "max_frame_bytes", "recv_pool_bytes"}
+_SIZES = {
+    "cpu_bytes",
+    "disk_bytes",
+    "max_segment_bytes",
+    "max_frame_bytes",
+    "max_inflight_bytes",
+    "shm_region_bytes",
+}
 
 
 def _coerce(name: str, raw: Any) -> Any:

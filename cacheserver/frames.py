@@ -180,4 +180,6 @@ class Assembly:
             )
         else:
             payload = torch.stack(layers)
-        return KVSegment.of_header(h, payload)
+        seg = KVSegment.of_header(h, payload)
+        seg.verified = True  # every layer was checked above
+        return seg

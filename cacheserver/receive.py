@@ -1,4 +1,4 @@
-"""The server side of Put: a whole stream into one pooled buffer, checked, then decoded.
+"""The server side of Put: a whole stream into one buffer, checked, then decoded.
 
 Nothing reaches the store before the last frame arrived in order, the length matches the
 header, the segment decodes, every layer checksum holds and its key is the header's.
@@ -7,7 +7,7 @@ header, the segment decodes, every layer checksum holds and its key is the heade
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tierkv.cacheserver.frames import KEY_NBYTES, check_known, invalid, too_big
 from tierkv.cacheserver.wire import Corrupt, PutFrame
@@ -23,32 +23,35 @@ class PutLimits:
 
 
 @dataclass(slots=True)
-class BufferPool:
-    """Receive buffers for Puts, reused; at most `limit` bytes lie idle. Safety: a buffer is
-    given back only once the store's put has returned, and tiers copy on put, so no tier
-    ever holds a buffer that is being refilled."""
+class Inflight:
+    """The server-wide budget of bytes held by Puts still being received. Safety: memory is
+    taken as bytes arrive, never from a size a client declares; a frame that would take the
+    total past `limit` fails its Put with RESOURCE_EXHAUSTED and the Put's bytes are given back.
+    Not thread-safe: used from the server's one event loop."""
 
     limit: int
-    idle: list[bytearray] = field(default_factory=list)
+    used: int = 0
+    peak: int = 0
 
-    def take(self, n: int) -> bytearray:
-        fits = [b for b in self.idle if n <= len(b) <= 2 * n]  # no huge buffer for a small put
-        if not fits:
-            return bytearray(n)
-        best = min(fits, key=len)
-        self.idle.remove(best)
-        return best
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise too_big(
+                f"server receive budget exhausted: {self.used} of max_inflight_bytes "
+                f"{self.limit} held by Puts in flight; retry later"
+            )
+        self.used += n
+        self.peak = max(self.peak, self.used)
 
-    def give(self, buf: bytearray) -> None:
-        if sum(len(b) for b in self.idle) + len(buf) <= self.limit:
-            self.idle.append(buf)
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 async def receive_put(
-    frames: AsyncIterator[PutFrame | Corrupt], lim: PutLimits, pool: BufferPool
-) -> tuple[bytes, KVSegment, bytearray]:
-    """Read a whole Put stream into one pooled buffer and decode it (the segment views the
-    buffer, returned too, for pool.give once stored); BadRequest on anything off."""
+    frames: AsyncIterator[PutFrame | Corrupt], lim: PutLimits, inflight: Inflight
+) -> tuple[bytes, KVSegment, int]:
+    """Read a whole Put stream into a buffer that grows as the bytes arrive, and decode it (the
+    segment views the buffer); returns the bytes taken from `inflight`, to give back once
+    stored. BadRequest on anything off, with the budget given back."""
     got = await anext(frames, None)
     if got is None:
         raise invalid("empty Put stream: expected a header frame")
@@ -68,13 +71,13 @@ async def receive_put(
         raise too_big(f"{h.num_frames} frames exceed max_frames {lim.max_frames}")
     if h.num_frames > h.total_bytes:
         raise invalid(f"{h.num_frames} frames cannot carry {h.total_bytes} bytes")
-    buf = pool.take(h.total_bytes)
+    buf = bytearray()
     try:
-        seg = await _fill(frames, h, lim, memoryview(buf)[: h.total_bytes])
+        seg = await _fill(frames, h, lim, buf, inflight)
     except BaseException:
-        pool.give(buf)  # nothing refers to it: the segment never left this function
+        inflight.give(len(buf))  # nothing refers to it: the segment never left this function
         raise
-    return h.key, seg, buf
+    return h.key, seg, len(buf)
 
 
 def _known(f: PutFrame | Corrupt) -> PutFrame:
@@ -86,7 +89,11 @@ def _known(f: PutFrame | Corrupt) -> PutFrame:
 
 
 async def _fill(
-    frames: AsyncIterator[PutFrame | Corrupt], h: pb.PutHeader, lim: PutLimits, mv: memoryview
+    frames: AsyncIterator[PutFrame | Corrupt],
+    h: pb.PutHeader,
+    lim: PutLimits,
+    buf: bytearray,
+    inflight: Inflight,
 ) -> KVSegment:
     pos = 0
     for seq in range(1, h.num_frames + 1):
@@ -106,14 +113,15 @@ async def _fill(
             raise invalid(
                 f"frame {seq} ({n} bytes) does not fit the header's total_bytes {h.total_bytes}"
             )
-        mv[pos : pos + n] = data
+        inflight.take(n)
+        buf += data  # grows in place (realloc): each byte is copied once, as it arrives
         pos += n
     if await anext(frames, None) is not None:
         raise invalid(f"more frames than the header's num_frames {h.num_frames}")
     if pos != h.total_bytes:
         raise invalid(f"payload is {pos} bytes, the header says {h.total_bytes}")
     try:
-        seg = KVSegment.decode(mv, verify=True)
+        seg = KVSegment.decode(memoryview(buf), verify=True)
     except SegmentError as e:
         raise invalid(f"malformed segment: {e}") from None
     if seg.key != h.key:

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tierkv.cacheserver import wire
 from tierkv.cacheserver.config import ServerConfig
+from tierkv.cacheserver.dataplane import DataPlane
 from tierkv.cacheserver.frames import parser
 from tierkv.cacheserver.metrics import Metrics
 from tierkv.cacheserver.servicer import Servicer
@@ -80,6 +81,7 @@ class Server:
     grpc_server: grpc.aio.Server
     health: health.HealthServicer
     port: int
+    data: DataPlane | None
 
     @staticmethod
     async def start(
@@ -87,7 +89,8 @@ class Server:
     ) -> Server:
         metrics = metrics or Metrics()
         srv = grpc.aio.server(options=grpc_options(config))
-        add_servicer(Servicer(store, config, metrics), srv)
+        servicer = Servicer(store, config, metrics)
+        add_servicer(servicer, srv)
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, srv)
         reflection.enable_server_reflection(
@@ -100,12 +103,19 @@ class Server:
             port = srv.add_secure_port(addr, creds)
         else:
             port = srv.add_insecure_port(addr)
+        data, path = None, config.data_socket_path(port)
+        if path is not None:
+            data = DataPlane(
+                store, servicer.auth, path, config.shm_region_bytes, config.max_sessions
+            )
+            await data.start()
+            servicer.data_socket = str(path)
         await srv.start()
         for name in ("", SERVICE):
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port:
             metrics.serve(config.metrics_port, config.host)
-        return Server(config, store, metrics, srv, hs, port)
+        return Server(config, store, metrics, srv, hs, port, data)
 
     def refresh_metrics(self) -> None:
         self.metrics.update_tiers({t.name: t.stats() for t in self.store.tiers})
@@ -113,6 +123,8 @@ class Server:
     async def stop(self) -> None:
         self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.grace_s)
+        if self.data is not None:
+            await self.data.stop()
         try:  # flush the write-behind queue, but never hang the shutdown on a stuck tier
             await asyncio.wait_for(self.store.close(), max(self.config.grace_s, 1.0))
         except asyncio.TimeoutError:

@@ -22,7 +22,7 @@ from tierkv.cacheserver.auth import Auth
 from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.frames import BadRequest, check_keys, check_known, cut, too_big
 from tierkv.cacheserver.metrics import Metrics
-from tierkv.cacheserver.receive import BufferPool, PutLimits, receive_put
+from tierkv.cacheserver.receive import Inflight, PutLimits, receive_put
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.base import SegmentLayer
@@ -49,13 +49,14 @@ class Servicer(pb_grpc.TierKVServicer):
     config: ServerConfig
     metrics: Metrics
     auth: Auth = field(init=False)
-    pool: BufferPool = field(init=False)
+    inflight: Inflight = field(init=False)
     streams: int = 0
+    data_socket: str = ""  # the data plane's Unix socket, once it listens
     counters: dict[str, NsCounters] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.auth = Auth(self.config.tokens)
-        self.pool = BufferPool(self.config.recv_pool_bytes)
+        self.inflight = Inflight(self.config.max_inflight_bytes)
 
     def _ns(self, ns: str) -> NsCounters:
         return self.counters.setdefault(ns, NsCounters())
@@ -107,10 +108,11 @@ class Servicer(pb_grpc.TierKVServicer):
             lim = PutLimits(
                 self.config.max_segment_bytes, self.config.max_frame_bytes, self.config.max_frames
             )
-            key, seg, buf = await receive_put(request_iterator, lim, self.pool)
-            # Shielded: once whole and valid, a put completes even if the caller or SIGTERM cancels.
-            stored = await asyncio.shield(self.store.put(key, seg, ns))
-            self.pool.give(buf)  # the store copied it (not reached if cancelled mid-put)
+            key, seg, held = await receive_put(request_iterator, lim, self.inflight)
+            try:  # shielded: once whole and valid, a put completes even if its caller cancels
+                stored = await asyncio.shield(self.store.put(key, seg, ns))
+            finally:
+                self.inflight.give(held)  # the store copied it
             c = self._ns(ns)
             c.puts += 1
             c.bytes_in += seg.nbytes
@@ -210,6 +212,13 @@ class Servicer(pb_grpc.TierKVServicer):
                 gets=c.gets,
                 bytes_in=c.bytes_in,
                 bytes_out=c.bytes_out,
+            )
+
+    async def DataPlane(self, request: pb.DataPlaneRequest, context) -> pb.DataPlaneResponse:
+        async with self._call("DataPlane", context):
+            check_known(request)
+            return pb.DataPlaneResponse(
+                unix_socket=self.data_socket, region_bytes=self.config.shm_region_bytes
             )
 
 

@@ -39,6 +39,9 @@ class ConnectorConfig:
     load_timeout_s: float = 10.0  # a step's loads; past it the tokens are recomputed
     max_pending_saves: int = 256  # staged chunks waiting for their put; beyond it saves are dropped
     metrics_port: int = 0  # serve Prometheus metrics on 127.0.0.1:PORT; 0 = off
+    # Load from a tierkv-server on this host (grpc://127.0.0.1:PORT, localhost, ::1) over its
+    # shared-memory data plane; gRPC still carries lookups and saves, and every load when off.
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         self.gpu_bytes, self.cpu_bytes = parse_size(self.gpu_bytes), parse_size(self.cpu_bytes)
@@ -69,7 +72,7 @@ class ConnectorConfig:
         """The local tiers (fastest first), then the shared one."""
         tiers = build_tiers(self.tiers())
         if self.remote is not None and self.remote.startswith(SERVER_SCHEMES):
-            tiers.append(server_tier(self.remote, self.token, self.tls_ca))
+            tiers.append(server_tier(self.remote, self.token, self.tls_ca, self.shared_memory))
         if not tiers:
             raise ValueError(
                 "the connector needs at least one tier (cpu_bytes, gpu_bytes, disk_dir or remote)"
@@ -80,11 +83,20 @@ class ConnectorConfig:
         return TieredStore(self.build_tiers(), StoreConfig())
 
 
-def server_tier(url: str, token: str | None = None, tls_ca: str | None = None) -> Tier:
-    """The tierkv-server at url (grpc://host:port, or grpcs:// with tls_ca), as a tier."""
+def server_tier(
+    url: str, token: str | None = None, tls_ca: str | None = None, shared_memory: bool = True
+) -> Tier:
+    """The tierkv-server at url (grpc://host:port, or grpcs:// with tls_ca), as a tier; one on
+    this host (127.0.0.1, localhost, ::1) loads over its shared-memory data plane unless
+    shared_memory is False."""
     from tierkv.cacheserver.client import RemoteTier
+    from tierkv.cacheserver.shm_client import ShmTier
 
     tls = url.startswith("grpcs://")
     if tls and tls_ca is None:
         raise ValueError("grpcs:// needs tls_ca (the server's CA certificate)")
-    return RemoteTier(target=url.split("://", 1)[1], token=token, tls_ca=tls_ca if tls else None)
+    target = url.split("://", 1)[1]
+    host = target.rsplit(":", 1)[0].strip("[]")
+    local = host in ("127.0.0.1", "localhost", "::1")
+    kind = ShmTier if shared_memory and local and not tls else RemoteTier
+    return kind(target=target, token=token, tls_ca=tls_ca if tls else None)

@@ -95,8 +95,8 @@ async def fetch(
             why = "miss"
         else:
             why = why_unusable(seg, plan, i, layout)
-            if why is None:
-                try:  # the tier checked too; this guards against a tier that did not
+            if why is None and not seg.verified:
+                try:  # bytes no tier checked on their way into this process: check them once
                     seg.verify()
                 except SegmentError as e:
                     why = str(e)

@@ -138,3 +138,15 @@ class StatsResponse(_message.Message):
     bytes_in: int
     bytes_out: int
     def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+
+class DataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneResponse(_message.Message):
+    __slots__ = ("unix_socket", "region_bytes")
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    unix_socket: str
+    region_bytes: int
+    def __init__(self, unix_socket: _Optional[str] = ..., region_bytes: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class TierKVStub:
                 request_serializer=tierkv_dot_proto_dot_tierkv__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.DataPlane = channel.unary_unary(
+                '/tierkv.v1.TierKV/DataPlane',
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneResponse.FromString,
+                _registered_method=True)
 
 
 class TierKVServicer:
@@ -110,6 +115,13 @@ class TierKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPlane(self, request, context):
+        """Where this server's same-host data plane listens (shared memory over a Unix socket).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +154,11 @@ def add_TierKVServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.StatsRequest.FromString,
                     response_serializer=tierkv_dot_proto_dot_tierkv__pb2.StatsResponse.SerializeToString,
+            ),
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,33 @@ class TierKV:
             '/tierkv.v1.TierKV/Stats',
             tierkv_dot_proto_dot_tierkv__pb2.StatsRequest.SerializeToString,
             tierkv_dot_proto_dot_tierkv__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierkv.v1.TierKV/DataPlane',
+            tierkv_dot_proto_dot_tierkv__pb2.DataPlaneRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.DataPlaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

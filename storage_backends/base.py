@@ -243,7 +243,10 @@ class Tier(abc.ABC):
     Safety contract, for every tier:
     - A fault (I/O error, corrupt entry, slow tier down) is a miss or a False, never an
       exception to the caller; it is counted in stats().errors.
-    - get verifies checksums: a corrupt entry is a miss, counted, and removed.
+    - get verifies the checksums of bytes that come from outside this process (a file, Redis,
+      a server) and marks the segment `verified`; a corrupt entry is a miss, counted, and
+      removed. Memory tiers hold only bytes they copied from checked or locally computed
+      segments and return them unmarked (a reader checks those once, or trusts them).
     - Memory or disk use never exceeds the configured capacity; a segment larger than the
       capacity is refused (put returns False).
     - put copies: the tier never keeps a reference to the caller's tensor or buffer.

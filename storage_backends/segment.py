@@ -136,6 +136,9 @@ class KVSegment:
     codec: str
     payload: torch.Tensor
     checksums: list[int] | None = None  # of each layer's raw bytes; None until computed
+    # True when this payload's bytes were checked against `checksums` as they entered this
+    # process (a tier reading from disk, Redis or a server): a reader need not check again.
+    verified: bool = False
 
     @staticmethod
     def from_tensor(
@@ -302,7 +305,9 @@ class KVSegment:
                 if checksum(raw[i * n : (i + 1) * n]) != h.checksums[i]:
                     raise SegmentError(f"layer {i}: checksum mismatch")
         payload = _frombuffer(raw, dt, 0, h.payload_raw_nbytes // dt.itemsize)
-        return KVSegment.of_header(h, payload)
+        seg = KVSegment.of_header(h, payload)
+        seg.verified = verify
+        return seg
 
     @staticmethod
     def of_header(h: SegmentHeader, payload: torch.Tensor) -> KVSegment:

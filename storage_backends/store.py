@@ -46,7 +46,7 @@ class StoreStats:
     queued: int = 0  # background writes accepted
     dropped: int = 0  # background writes refused because the queue was full
     written: int = 0  # background puts that stored a segment in a slower tier
-    promoted: int = 0  # puts into faster tiers after a hit further down
+    promoted: int = 0  # hits further down copied (queued, or at once with `out`) to faster tiers
     demoted: int = 0  # evicted segments handed to the next tier
     lost: int = 0  # background writes whose source was gone (evicted) before they ran
     tiers: list[TierStats] = field(default_factory=list)
@@ -193,10 +193,8 @@ class TieredStore(Tier):
         for i, tier in enumerate(self.tiers):
             seg = await tier.get(key, ns, out)
             if seg is not None:
-                if self.config.promote:
-                    for faster in self.tiers[:i]:
-                        if await faster.put(key, seg, ns):
-                            self._stats.promoted += 1
+                if self.config.promote and i:
+                    await self._promote(key, seg, ns, i, out)
                 self._stats.hits += 1
                 return seg
         moving = self._moving.get((ns, key), (None,))[0]  # between two tiers right now: still a hit
@@ -208,6 +206,16 @@ class TieredStore(Tier):
             return seg
         self._stats.misses += 1
         return None
+
+    async def _promote(self, key: bytes, seg: KVSegment, ns: str, i: int, out) -> None:
+        """Copy a hit in tiers[i] into the faster tiers: queued, so that the load does not wait
+        for it (the job keeps seg, which views a buffer of its own), or at once when seg views
+        the caller's `out`, which the caller may overwrite as soon as get returns."""
+        if out is None and self._enqueue(Job(ns, key, seg, i, list(range(i)))):
+            self._stats.promoted += 1
+            return
+        stored = [await faster.put(key, seg, ns) for faster in self.tiers[:i]]
+        self._stats.promoted += any(stored)
 
     async def get_layers(
         self, key: bytes, ns: str = DEFAULT_NAMESPACE

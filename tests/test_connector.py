@@ -121,14 +121,23 @@ def test_reuse_from_disk_tier(cold, tmp_path) -> None:
             r.close()
 
 
-@pytest.mark.triton_path
-def test_reuse_through_cache_server(cold) -> None:
+@pytest.mark.parametrize(
+    "shm", [pytest.param(True, marks=pytest.mark.triton_path), False], ids=["shm", "grpc"]
+)
+def test_reuse_through_cache_server(cold, shm: bool) -> None:
+    """Loads over the server's shared-memory data plane (the default on this host) or gRPC."""
     server = ServerProcess().start()
     try:
-        cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=f"grpc://{server.target}")
+        cfg = ConnectorConfig(
+            chunk_size=CHUNK, cpu_bytes=0, remote=f"grpc://{server.target}", shared_memory=shm
+        )
         writer, reader = TierKVConnector(cfg), TierKVConnector(cfg)
         try:
             check_reuse(writer, reader, cold, "remote")
+            tier = reader.store.tiers[-1]
+            assert type(tier).__name__ == ("ShmTier" if shm else "RemoteTier")
+            assert tier.stats().errors == 0 and tier.stats().hits >= 3
+            assert (getattr(tier, "_session", None) is not None) == shm
         finally:
             writer.close()
             reader.close()

@@ -34,9 +34,7 @@ OK, INVALID, EXHAUSTED = (
 )
 REFUSED = {INVALID, EXHAUSTED}
 MAX_KEYS, MAX_FRAMES, MAX_SEG = 32, 64, 1 << 20
-RSS_SLACK = (
-    96 << 20
-)  # idle receive buffers (4 MiB pool) + allocator noise, far below one leak per case
+RSS_SLACK = 96 << 20  # a 4 MiB receive budget + allocator noise, far below one leak per case
 COUNT = {"cases": 0}
 ident = lambda b: b
 
@@ -55,7 +53,7 @@ def server():
             str(MAX_KEYS),
             "--max-streams",
             "16",
-            "--recv-pool-bytes",
+            "--max-inflight-bytes",
             "4MiB",
             "--cpu-bytes",
             "16MiB",

@@ -27,6 +27,7 @@ def test_package_and_services() -> None:
         "GetMany": (False, True),
         "Delete": (False, False),
         "Stats": (False, False),
+        "DataPlane": (False, False),
     }
     assert hasattr(tierkv_pb2_grpc, "TierKVStub")
 

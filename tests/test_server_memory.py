@@ -1,0 +1,94 @@
+"""The server takes memory for a Put as its bytes arrive, never from the size a client
+declares, and one server-wide budget bounds what Puts in flight hold."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from tests.services import ServerProcess
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.segment import KVSegment
+
+MiB = 1 << 20
+BUDGET = 16 * MiB
+# The 64 MiB the clients send (gRPC reads each frame before the handler can refuse it) and
+# allocator noise; the 64 declared segments are 16 GiB.
+BOUND = 64 * MiB + 40 * MiB
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(args=["--max-inflight-bytes", str(BUDGET), "--cpu-bytes", "64MiB"]).start()
+    yield s
+    s.stop(kill=True)
+
+
+async def held_puts(target: str, rss, streams: int = 64) -> tuple[int, list]:
+    """`streams` Puts that each declare 256 MiB and send 1 MiB, then hang: the server's RSS
+    growth while they are open, and each call's status once they are cancelled."""
+    limit = 4 * MiB
+    opts = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    ch = grpc.aio.insecure_channel(target, options=opts)
+    put = ch.stream_unary(
+        "/tierkv.v1.TierKV/Put",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.PutResponse.FromString,
+    )
+    hang = asyncio.Event()
+
+    async def frames(i: int):
+        head = pb.PutHeader(key=i.to_bytes(16, "little"), total_bytes=256 * MiB, num_frames=256)
+        yield pb.PutFrame(seq=0, header=head).SerializeToString()
+        yield pb.PutFrame(seq=1, data=os.urandom(MiB)).SerializeToString()
+        await hang.wait()
+
+    calls = [put(frames(i)) for i in range(streams)]
+    before = rss()
+    await asyncio.sleep(3.0)  # every stream's first MiB has arrived
+    grown = rss() - before
+    codes = []
+    for c in calls:
+        c.cancel()
+    for c in calls:
+        try:
+            await c
+            codes.append(grpc.StatusCode.OK)
+        except grpc.aio.AioRpcError as e:
+            codes.append(e.code())
+        except asyncio.CancelledError:
+            codes.append(grpc.StatusCode.CANCELLED)
+    await ch.close()
+    return grown, codes
+
+
+def test_declared_sizes_reserve_nothing(server) -> None:
+    proc = psutil.Process(server.proc.pid)
+    grown, codes = asyncio.run(held_puts(server.target, lambda: proc.memory_info().rss))
+    assert grown <= BOUND, f"RSS grew by {grown / MiB:.0f} MiB"
+    # Past the budget a Put is refused as it arrives: 16 streams fit, the rest are refused.
+    refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert 64 - BUDGET // MiB <= refused < 64, codes
+    # Every byte went back to the budget: a put of 12 MiB (of the 16) still goes through.
+    seg = KVSegment.from_tensor(
+        torch.randn(48, 2, 256, 4, 64).to(torch.bfloat16),
+        key=b"k" * 16,
+        parent=bytes(16),
+        tokens=list(range(256)),
+        fingerprint=b"f" * 16,
+    )
+
+    async def roundtrip() -> bool:
+        tier = RemoteTier(target=server.target)
+        try:
+            return bool(await tier.put(seg.key, seg)) and await tier.get(seg.key) is not None
+        finally:
+            await tier.close()
+
+    assert asyncio.run(roundtrip())
