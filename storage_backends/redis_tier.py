@@ -51,6 +51,10 @@ class RedisTierConfig:
     cluster: bool = False  # Redis Cluster client; also chosen by a redis+cluster:// URL
     ttl_s: int = 0  # expiry of every value (0: none; Redis' own maxmemory policy applies)
     timeout_s: float = 1.0  # per command; a timeout is a miss
+    # Connections to one Redis (per node for a cluster). More concurrent commands than this
+    # wait up to timeout_s for a free connection instead of failing (a request's chunk loads
+    # all go at once: 128 of them for a 32K-token prompt of 256-token chunks).
+    max_connections: int = 64
     backoff_s: float = 0.5  # first pause after a fault
     max_backoff_s: float = 10.0  # longest pause
     log_interval_s: float = 10.0  # at most one "redis down" line per interval
@@ -84,11 +88,20 @@ class RedisTier(BaseTier):
         if url.startswith("redis+cluster://"):
             url, cluster = "redis://" + url[len("redis+cluster://") :], True
         opts: dict[str, Any] = dict(socket_timeout=c.timeout_s, socket_connect_timeout=c.timeout_s)
+        if c.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {c.max_connections}")
         if cluster:
-            self.client = RedisCluster.from_url(url, **opts)
+            self.client = RedisCluster.from_url(url, max_connections=c.max_connections, **opts)
         else:
             # No client-side retries: the tier's own backoff decides when to try again.
-            self.client = aioredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts)
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=c.max_connections,
+                timeout=c.timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                **opts,
+            )
+            self.client = aioredis.Redis.from_pool(pool)  # closes the pool when closed
         self._start_stats(device="redis-cluster" if cluster else "redis")
 
     def _name(self, ns: str, key: bytes) -> str:

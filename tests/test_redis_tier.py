@@ -68,6 +68,18 @@ async def test_standalone_round_trip(redis_proc: RedisProcess) -> None:
     await tier.close()
 
 
+async def test_more_concurrent_commands_than_connections_wait(redis_proc) -> None:
+    """A request's chunk loads all go at once: past max_connections they queue for a free
+    connection instead of failing (which would turn them into misses)."""
+    tier = tier_for(redis_proc.url, max_connections=4)
+    segs = [segment(i) for i in range(100, 200)]
+    assert all(await asyncio.gather(*(tier.put(s.key, s) for s in segs)))
+    got = await asyncio.gather(*(tier.get(s.key) for s in segs))
+    assert all(g is not None and torch.equal(g.payload, s.payload) for g, s in zip(got, segs))
+    assert tier.stats().errors == 0
+    await tier.close()
+
+
 async def test_cluster_round_trip(redis_cluster) -> None:
     tier = tier_for(redis_cluster.url, cluster=True)
     await round_trip(tier)
