@@ -21,7 +21,17 @@ import torch
 
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.dataplane import REPLY
-from tierkv.cacheserver.shm import GET, HEAD, HELLO, OK, RELEASE, Region, pack, recv_exactly
+from tierkv.cacheserver.shm import (
+    GET,
+    HEAD,
+    HELLO,
+    MAX_KEYS,
+    OK,
+    RELEASE,
+    Region,
+    pack,
+    recv_exactly,
+)
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.header import SegmentHeader
@@ -31,10 +41,16 @@ log = logging.getLogger("tierkv.remote")
 
 
 @dataclass(slots=True, eq=False)
+class _Want:
+    key: bytes
+    out: Any
+    done: asyncio.Future
+
+
+@dataclass(slots=True, eq=False)
 class _Session:
     sock: socket.socket
     region: Region
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     released: list[int] = field(default_factory=list)  # offsets to release with the next GET
 
     def close(self) -> None:
@@ -48,6 +64,8 @@ class ShmTier(RemoteTier):
     name: str = "remote"
     _session: _Session | None = None
     _down_until: float = 0.0
+    _queue: list[_Want] = field(default_factory=list)  # reads waiting for the next GET
+    _sender: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
         self._start_stats(device="shm")
@@ -100,42 +118,88 @@ class ShmTier(RemoteTier):
             self._session = None
 
     async def _shm_read(self, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
+        """Queue key for the next GET; concurrent reads (a request's chunks) share one
+        message and one reply."""
         if self._session is None:
             self._session = await self._open()
             if self._session is None:
                 self._down_until = time.monotonic() + self.retry_s
                 return None
-        s, loop = self._session, asyncio.get_running_loop()
-        async with s.lock:
-            msg = pack(GET, 1, key)
-            if s.released:
-                rel = struct.pack(f"<{len(s.released)}Q", *s.released)
-                msg = pack(RELEASE, len(s.released), rel) + msg
-                s.released.clear()
-            await loop.sock_sendall(s.sock, msg)
-            code, count, n = HEAD.unpack(await recv_exactly(s.sock, HEAD.size))
-            body = await recv_exactly(s.sock, n)
-            if code != OK or count != 1 or n < REPLY.size:
-                raise ValueError(f"data plane answered {code}: {body[:200]!r}")
-            off, size, hlen = REPLY.unpack_from(body)
+        loop = asyncio.get_running_loop()
+        want = _Want(key, out, loop.create_future())
+        self._queue.append(want)
+        if self._sender is None or self._sender.done():
+            self._sender = loop.create_task(self._send())
+        return await want.done
+
+    async def _send(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[:MAX_KEYS], self._queue[MAX_KEYS:]
+            try:
+                got = await self._exchange(batch)
+            except Exception as e:  # the session is in an unknown state: fail every waiter
+                for w in batch + self._queue:
+                    if not w.done.done():
+                        w.done.set_exception(e)
+                self._queue.clear()
+                return
+            for w, r in zip(batch, got, strict=True):
+                if w.done.done():  # its caller timed out
+                    continue
+                if isinstance(r, Exception):
+                    w.done.set_exception(r)
+                else:
+                    w.done.set_result(r)
+
+    async def _exchange(self, batch: list[_Want]) -> list[tuple[KVSegment, int] | None | Exception]:
+        s = self._session
+        if s is None:
+            raise ConnectionError("data plane session closed")
+        loop = asyncio.get_running_loop()
+        msg = pack(GET, len(batch), b"".join(w.key for w in batch))
+        if s.released:
+            rel = struct.pack(f"<{len(s.released)}Q", *s.released)
+            msg = pack(RELEASE, len(s.released), rel) + msg
+            s.released.clear()
+        await loop.sock_sendall(s.sock, msg)
+        code, count, n = HEAD.unpack(await recv_exactly(s.sock, HEAD.size))
+        body = memoryview(await recv_exactly(s.sock, n))
+        if code != OK or count != len(batch) or n < count * REPLY.size:
+            raise ValueError(f"data plane answered {code}: {bytes(body[:200])!r}")
+        out: list[tuple[KVSegment, int] | None | Exception] = []
+        pos = count * REPLY.size
+        for i, w in enumerate(batch):
+            off, size, hlen = REPLY.unpack_from(body, i * REPLY.size)
+            head, pos = body[pos : pos + hlen], pos + hlen
             if size == 0:
-                return None
-            h = SegmentHeader.decode(memoryview(body)[REPLY.size : REPLY.size + hlen])
-            if h.key != key or h.payload_raw_nbytes != size or off + size > s.region.size:
-                raise ValueError("data plane answered a range that does not fit the segment")
-            try:  # the one copy in this process: out of the region, then checked
-                into = (
-                    torch.empty(size, dtype=torch.uint8).numpy().data
-                    if out is None
-                    else out_view(out, size)
-                )
-                if into is None:  # a device tensor: RemoteTier's path copies into it
-                    return None
-                into[:] = memoryview(s.region.map)[off : off + size]
+                out.append(None)
+                continue
+            try:
+                out.append(self._take(s, w, off, size, head))
+            except (ValueError, SegmentError) as e:
+                out.append(e)
             finally:
                 s.released.append(off)
-            seg = KVSegment.from_raw(h, into, verify=True)
-            return seg, seg.nbytes
+        return out
+
+    @staticmethod
+    def _take(
+        s: _Session, w: _Want, off: int, size: int, head: memoryview
+    ) -> tuple[KVSegment, int] | None:
+        """The one copy in this process: the payload out of the region, then checked."""
+        h = SegmentHeader.decode(head)
+        if h.key != w.key or h.payload_raw_nbytes != size or off + size > s.region.size:
+            raise ValueError("data plane answered a range that does not fit the segment")
+        into = (
+            torch.empty(size, dtype=torch.uint8).numpy().data
+            if w.out is None
+            else out_view(w.out, size)
+        )
+        if into is None:  # a device tensor: RemoteTier's path copies into it
+            return None
+        into[:] = memoryview(s.region.map)[off : off + size]
+        seg = KVSegment.from_raw(h, into, verify=True)
+        return seg, seg.nbytes
 
     async def close(self) -> None:
         if self._session is not None:

@@ -37,7 +37,8 @@ from tierkv.storage_backends.segment import KVSegment
 TOKENS = "alpha-token=tenant-a,beta-token=tenant-b"
 
 
-def segment(key: bytes, seed: int, layers: int = 4) -> KVSegment:
+def segment(key: bytes | int, seed: int, layers: int = 4) -> KVSegment:
+    key = key.to_bytes(16, "little") if isinstance(key, int) else key
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(layers, 2, 64, 2, 64, generator=g).to(torch.bfloat16)
     return KVSegment.from_tensor(kv, key=key, tokens=list(range(64)), fingerprint=b"f" * 16)
@@ -95,6 +96,26 @@ def test_loads_over_shared_memory_equal_the_segment(server) -> None:
         assert sessions(server.proc.pid) == 1
         await shm.close()
         await grpc_tier.close()
+
+    asyncio.run(run())
+
+
+def test_concurrent_loads_batch_and_a_full_region_falls_back_to_grpc(server) -> None:
+    """A request's chunks load concurrently: they go out as one GET. 80 segments of 128 KiB
+    overflow the 8 MiB region; the ones that do not fit load over gRPC. Every one is right."""
+
+    async def run() -> None:
+        shm = ShmTier(target=server.target, token="alpha-token")
+        segs = [segment(1000 + i, 1000 + i) for i in range(80)]
+        for s in segs:  # one by one: 80 concurrent Puts would pass max_streams
+            assert await shm.put(s.key, s)
+        for _ in range(2):
+            got = await asyncio.gather(*(shm.get(s.key) for s in segs))
+            assert all(
+                g is not None and torch.equal(g.payload, s.payload) for g, s in zip(got, segs)
+            )
+        assert shm.stats().errors == 0 and shm._session is not None
+        await shm.close()
 
     asyncio.run(run())
 
