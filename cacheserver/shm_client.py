@@ -33,7 +33,7 @@ from tierkv.cacheserver.shm import (
     recv_exactly,
 )
 from tierkv.proto import tierkv_pb2 as pb
-from tierkv.storage_backends.buffers import out_view
+from tierkv.storage_backends.buffers import copy_bytes, out_view
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 
@@ -197,7 +197,7 @@ class ShmTier(RemoteTier):
         )
         if into is None:  # a device tensor: RemoteTier's path copies into it
             return None
-        into[:] = memoryview(s.region.map)[off : off + size]
+        copy_bytes(into, memoryview(s.region.map)[off : off + size])
         seg = KVSegment.from_raw(h, into, verify=True)
         return seg, seg.nbytes
 
