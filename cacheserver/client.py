@@ -25,6 +25,7 @@ import grpc
 
 from tierkv.cacheserver import wire
 from tierkv.cacheserver.auth import bearer
+from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.frames import Assembly, put_wire
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
@@ -72,6 +73,7 @@ class _Connection:
     stub: pb_grpc.TierKVStub
     put: grpc.aio.StreamUnaryMultiCallable
     get: grpc.aio.UnaryStreamMultiCallable
+    get_many: grpc.aio.UnaryStreamMultiCallable
 
     @staticmethod
     def open(target: str, tls_ca: str | bytes | None, frame_bytes: int) -> _Connection:
@@ -88,7 +90,12 @@ class _Connection:
             request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=wire.parse_frame,
         )
-        return _Connection(ch, pb_grpc.TierKVStub(ch), put, get)
+        get_many = ch.unary_stream(
+            "/tierkv.v1.TierKV/GetMany",
+            request_serializer=pb.GetManyRequest.SerializeToString,
+            response_deserializer=wire.parse_frame,
+        )
+        return _Connection(ch, pb_grpc.TierKVStub(ch), put, get, get_many)
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +110,7 @@ class RemoteTier(BaseTier):
     max_segment_bytes: int = 1 << 30  # largest segment accepted from the server
     name: str = "remote"
     _conn: _Connection | None = None
+    _gets: Batcher[tuple[bytes, Any], tuple[KVSegment, int] | None] | None = None
     _last_log: float = -1e9
 
     def __post_init__(self) -> None:
@@ -169,23 +177,40 @@ class RemoteTier(BaseTier):
         return found
 
     async def _read(self, ns: str, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
-        req = pb.GetRequest(key=key)
+        """Concurrent reads (a request's chunks) go out as one GetMany stream."""
+        if self._gets is None:
+            self._gets = Batcher(self._get_many, LOOKUP_BATCH)
+        return await self._gets.submit((key, out))
 
-        async def run() -> KVSegment | None:
-            asm = None
-            async for f in self._frames(req):
+    async def _get_many(
+        self, batch: list[tuple[bytes, Any]]
+    ) -> list[tuple[KVSegment, int] | None | Exception]:
+        req = pb.GetManyRequest(keys=[k for k, _ in batch])
+
+        async def run() -> list[Assembly | None]:
+            asms: list[Assembly | None] = [None] * len(batch)
+            async for f in self.conn.get_many(req, **self._opts()):
+                if f.index >= len(batch):
+                    raise SegmentError(f"server answered key index {f.index} of {len(batch)}")
+                i, asm = f.index, asms[f.index]
                 if f.kind == pb.SegmentFrame.MISS:
-                    return None
-                if asm is None:  # frames land in `out` itself when they can
-                    asm = Assembly.start(f, self.max_segment_bytes, out=out)
+                    asms[i] = None
+                elif asm is None:  # frames land in the caller's `out` when they can
+                    asms[i] = Assembly.start(f, self.max_segment_bytes, out=batch[i][1])
                 else:
                     asm.add(f)
-            return asm.segment() if asm is not None and asm.done else None
+            return asms
 
-        seg = await self._retry("get", run)
-        if seg is None or seg.key != key:
-            return None
-        return seg, seg.nbytes
+        asms = await self._retry("get", run)
+        out: list[tuple[KVSegment, int] | None | Exception] = []
+        for (key, _), asm in zip(batch, asms or [None] * len(batch), strict=True):
+            try:
+                seg = asm.segment() if asm is not None and asm.done else None
+            except SegmentError as e:
+                self._fail("get", e)
+                seg = None
+            out.append((seg, seg.nbytes) if seg is not None and seg.key == key else None)
+        return out
 
     async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
         req = pb.GetRequest(key=key)

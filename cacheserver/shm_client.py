@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.dataplane import REPLY
 from tierkv.cacheserver.shm import (
@@ -44,7 +45,6 @@ log = logging.getLogger("tierkv.remote")
 class _Want:
     key: bytes
     out: Any
-    done: asyncio.Future
 
 
 @dataclass(slots=True, eq=False)
@@ -64,8 +64,8 @@ class ShmTier(RemoteTier):
     name: str = "remote"
     _session: _Session | None = None
     _down_until: float = 0.0
-    _queue: list[_Want] = field(default_factory=list)  # reads waiting for the next GET
-    _sender: asyncio.Task | None = None
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _batch: Batcher[_Want, tuple[KVSegment, int] | None] | None = None  # reads -> one GET
 
     def __post_init__(self) -> None:
         self._start_stats(device="shm")
@@ -121,35 +121,15 @@ class ShmTier(RemoteTier):
         """Queue key for the next GET; concurrent reads (a request's chunks) share one
         message and one reply."""
         if self._session is None:
-            self._session = await self._open()
+            async with self._opening:  # the first reads arrive together: one session
+                if self._session is None:
+                    self._session = await self._open()
             if self._session is None:
                 self._down_until = time.monotonic() + self.retry_s
                 return None
-        loop = asyncio.get_running_loop()
-        want = _Want(key, out, loop.create_future())
-        self._queue.append(want)
-        if self._sender is None or self._sender.done():
-            self._sender = loop.create_task(self._send())
-        return await want.done
-
-    async def _send(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue[:MAX_KEYS], self._queue[MAX_KEYS:]
-            try:
-                got = await self._exchange(batch)
-            except Exception as e:  # the session is in an unknown state: fail every waiter
-                for w in batch + self._queue:
-                    if not w.done.done():
-                        w.done.set_exception(e)
-                self._queue.clear()
-                return
-            for w, r in zip(batch, got, strict=True):
-                if w.done.done():  # its caller timed out
-                    continue
-                if isinstance(r, Exception):
-                    w.done.set_exception(r)
-                else:
-                    w.done.set_result(r)
+        if self._batch is None:
+            self._batch = Batcher(self._exchange, MAX_KEYS)
+        return await self._batch.submit(_Want(key, out))
 
     async def _exchange(self, batch: list[_Want]) -> list[tuple[KVSegment, int] | None | Exception]:
         s = self._session

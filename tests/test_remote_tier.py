@@ -231,3 +231,27 @@ def test_sigterm_finishes_or_discards_in_flight_puts() -> None:
     files = sorted(p.name for p in (server.cache_dir / "disk").rglob("*") if p.is_file())
     assert files == sorted(f"{s.key.hex()}.tkv" for s in (early, done))
     server.stop(kill=True)
+
+
+async def test_concurrent_gets_share_one_stream_and_keep_their_answers() -> None:
+    """A request's chunk loads go out together: each key gets its own segment or miss back,
+    into its own `out` when given."""
+    server = ServerProcess().start()
+    try:
+        tier = RemoteTier(target=server.target)
+        segs = [segment(i) for i in range(1, 13)]
+        for s in segs:
+            assert await tier.put(s.key, s)
+        keys = [s.key for s in segs] + [bytes(16), b"\x99" * 16]
+        outs = [torch.empty(s.payload.numel(), dtype=s.payload.dtype) for s in segs]
+        got = await asyncio.gather(
+            *(tier.get(k, out=o) for k, o in zip(keys, outs + [None, None], strict=True))
+        )
+        assert got[-2:] == [None, None]
+        for g, s, o in zip(got, segs, outs, strict=False):
+            assert g is not None and torch.equal(g.payload, s.payload)
+            assert g.payload.data_ptr() == o.data_ptr()
+        assert tier.stats().errors == 0
+        await tier.close()
+    finally:
+        server.stop(kill=True)
