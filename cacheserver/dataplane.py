@@ -31,6 +31,7 @@ from tierkv.cacheserver.shm import (
     MAX_KEYS,
     OK,
     RELEASE,
+    REPLY,
     UNAUTHENTICATED,
     RangeAllocator,
     Region,
@@ -41,7 +42,6 @@ from tierkv.storage_backends.base import KEY_NBYTES, IndexedTier
 from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.dataplane")
-REPLY = struct.Struct("<QQI")  # per key: region offset, payload bytes (0: miss), header bytes
 
 
 class Refused(Exception):

@@ -30,7 +30,9 @@ from tierkv.storage_backends.base import invariant
 ALIGN = 4096  # ranges start on page boundaries
 # Requests: op, count, body bytes. Replies: status, count, body bytes.
 HEAD = struct.Struct("<IIQ")
-RANGE = struct.Struct("<QQ")  # offset, length (0: miss)
+REPLY = struct.Struct(
+    "<QQI"
+)  # GET reply, per key: region offset, payload bytes (0: miss), header bytes
 HELLO, GET, RELEASE = 1, 2, 3
 OK, UNAUTHENTICATED, BAD_REQUEST = 0, 1, 2
 MAX_KEYS = 4096  # keys in one GET
@@ -77,10 +79,6 @@ class RangeAllocator:
         if i and self.free[i - 1][0] + self.free[i - 1][1] == off:  # and the previous
             prev = self.free[i - 1]
             self.free[i - 1] = (prev[0], prev[1] + self.free.pop(i)[1])
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(self.used.values())
 
     def check_integrity(self) -> None:
         """Free and used ranges tile [0, size) exactly, free ones sorted and merged."""
@@ -139,16 +137,6 @@ class Region:
 
 def pack(code: int, count: int, body: bytes = b"") -> bytes:
     return HEAD.pack(code, count, len(body)) + body
-
-
-def ranges(pairs: list[tuple[int, int]]) -> bytes:
-    return b"".join(RANGE.pack(o, n) for o, n in pairs)
-
-
-def unpack_ranges(body: bytes, count: int) -> list[tuple[int, int]]:
-    if len(body) != count * RANGE.size:
-        raise ValueError(f"{len(body)} bytes cannot hold {count} ranges")
-    return [RANGE.unpack_from(body, i * RANGE.size) for i in range(count)]
 
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytes:

@@ -21,7 +21,6 @@ import torch
 
 from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.dataplane import REPLY
 from tierkv.cacheserver.shm import (
     GET,
     HEAD,
@@ -29,6 +28,7 @@ from tierkv.cacheserver.shm import (
     MAX_KEYS,
     OK,
     RELEASE,
+    REPLY,
     Region,
     pack,
     recv_exactly,
