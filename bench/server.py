@@ -1,8 +1,9 @@
 """Cache server throughput and latency: `python -m bench.server [--quick]`.
 
 One run measures put and get of 1, 4 and 32 MiB segments by 1 and 4 concurrent clients, and
-of 256 KiB segments by 64, for tierkv-server's cpu tier over gRPC and over its same-host
-shared-memory data plane (puts stay on gRPC), tierkv-server's redis tier, raw redis-py
+of 256 KiB segments by 64, for tierkv-server's cpu tier over gRPC, over its same-host
+shared-memory data plane and over its TCP data port (puts stay on gRPC), tierkv-server's
+redis tier, raw redis-py
 SET/GET of the same bytes, a raw loopback TCP transfer (the ceiling of a socket) and a
 memcpy of the same bytes (the ceiling of shared memory), plus Lookup latency for 64 keys.
 Servers are real processes on loopback; clients share this process' event loop.
@@ -26,7 +27,7 @@ from tqdm import tqdm
 from bench.common import goal, parser, print_table, write_results
 from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.shm_client import ShmTier
+from tierkv.cacheserver.data_client import DataTier
 from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.segment import KVSegment
 
@@ -99,9 +100,15 @@ async def rounds(fn: Callable[[int, int], Awaitable[None]], clients: int, repeat
 
 
 async def bench_tierkv(
-    target: str, segs: dict[int, KVSegment], clients: int, repeat: int, shm: bool = False
+    target: str, segs: dict[int, KVSegment], clients: int, repeat: int, path: str = "grpc"
 ) -> tuple[float, float]:
-    tiers = [(ShmTier if shm else RemoteTier)(target=target) for _ in range(clients)]
+    """path: "grpc" (Get streams), "shm" (shared memory) or "tcp" (the TCP data port)."""
+    tiers = [
+        RemoteTier(target=target)
+        if path == "grpc"
+        else DataTier(target=target, shared_memory=path == "shm")
+        for _ in range(clients)
+    ]
     seg = next(iter(segs.values()))
     keys = {
         (c, r): (c * 1000 + r + 7).to_bytes(16, "little")
@@ -125,8 +132,8 @@ async def bench_tierkv(
 
     t_put = await rounds(put, clients, repeat)
     t_get = await rounds(get, clients, repeat)
-    if shm and any(t.stats().errors or t._session is None for t in tiers):
-        raise RuntimeError("the shared-memory data plane was not used; the benchmark is broken")
+    if path != "grpc" and any(t.stats().errors or t._session is None for t in tiers):
+        raise RuntimeError(f"the {path} data plane was not used; the benchmark is broken")
     for t in tiers:
         for r in range(-1, repeat):
             await t.delete(keys[(tiers.index(t), r)])
@@ -231,7 +238,7 @@ async def main() -> None:
     ).start()
     rows = []
     cases: list[tuple[float, int]] = [(mib, c) for mib in sizes for c in conc] + [(0.25, 64)]
-    bar = tqdm(total=len(cases) * 6, desc="bench.server", unit="case")
+    bar = tqdm(total=len(cases) * 7, desc="bench.server", unit="case")
     try:
         for mib, c in cases:
             seg = make_segment(mib, seed=int(mib * 4))
@@ -243,7 +250,11 @@ async def main() -> None:
             )
             bar.update()
             results["tierkv-server (shared memory)"] = await bench_tierkv(
-                cpu_srv.target, {0: seg}, c, repeat, shm=True
+                cpu_srv.target, {0: seg}, c, repeat, path="shm"
+            )
+            bar.update()
+            results["tierkv-server (TCP data plane)"] = await bench_tierkv(
+                cpu_srv.target, {0: seg}, c, repeat, path="tcp"
             )
             bar.update()
             results["tierkv-server (redis tier)"] = await bench_tierkv(
@@ -312,6 +323,12 @@ async def main() -> None:
     # (what, its system, the baseline, the goal as a share of the baseline), at every size
     shares = [
         (
+            "TCP data-plane get / loopback TCP get",
+            "tierkv-server (TCP data plane)",
+            "loopback TCP",
+            0.7,
+        ),
+        (
             "cpu-tier get via gRPC / loopback TCP get",
             "tierkv-server (cpu tier)",
             "loopback TCP",
@@ -329,7 +346,11 @@ async def main() -> None:
             "64 concurrent 256 KiB gets, best tierkv path",
             max(
                 at(s, 0.25, 64)["get_gbps"]
-                for s in ("tierkv-server (cpu tier)", "tierkv-server (shared memory)")
+                for s in (
+                    "tierkv-server (cpu tier)",
+                    "tierkv-server (shared memory)",
+                    "tierkv-server (TCP data plane)",
+                )
             ),
             ">=",
             1.5,

@@ -81,6 +81,10 @@ class ServerConfig:
     # The same-host data plane (loads over shared memory, docs/server.md): its Unix socket,
     # "auto" for <cache_dir>/data-<port>.sock, "" to turn it off.
     data_socket: str = "auto"
+    # The data plane's TCP port, for clients on other hosts (payload inline on a plain socket,
+    # authenticated by the bearer token): 0 picks a free one (announced over gRPC), -1 turns it
+    # off. Off whenever TLS is on: bulk bytes never travel unencrypted beside a TLS server.
+    data_port: int = 0
     shm_region_bytes: int = 256 * MiB  # each data plane session's shared-memory region
     max_sessions: int = 64  # data plane sessions at once, server-wide
 
@@ -90,6 +94,8 @@ class ServerConfig:
     def check(self) -> None:
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ConfigError("port and metrics_port must be in 0..65535")
+        if not -1 <= self.data_port < 65536:
+            raise ConfigError("data_port must be in -1..65535 (-1: off, 0: any free port)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key go together")
         if not 0 < self.max_frame_bytes <= 4 * MiB:

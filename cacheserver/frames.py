@@ -21,6 +21,7 @@ from tierkv.cacheserver.wire import Corrupt
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.base import KEY_NBYTES, MiB
 from tierkv.storage_backends.buffers import out_view
+from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
 
 
@@ -152,6 +153,7 @@ class Assembly:
             raise SegmentError(f"layer {self.layer}: frames exceed its {n} bytes")
         at = self._at() + self.filled
         self.dst[at : at + len(data)] = data
+        copied("wire.assemble", len(data))
         self.filled += len(data)
         if self.filled < n:
             return None

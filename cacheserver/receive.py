@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tierkv.cacheserver.frames import KEY_NBYTES, check_known, invalid, too_big
 from tierkv.cacheserver.wire import Corrupt, PutFrame
 from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 
 
@@ -115,6 +116,7 @@ async def _fill(
             )
         inflight.take(n)
         buf += data  # grows in place (realloc): each byte is copied once, as it arrives
+        copied("server.receive", n)
         pos += n
     if await anext(frames, None) is not None:
         raise invalid(f"more frames than the header's num_frames {h.num_frames}")

@@ -104,12 +104,21 @@ class Server:
         else:
             port = srv.add_insecure_port(addr)
         data, path = None, config.data_socket_path(port)
-        if path is not None:
+        tcp = None if config.data_port < 0 or config.tls_cert else (config.host, config.data_port)
+        if path is not None or tcp is not None:
             data = DataPlane(
-                store, servicer.auth, path, config.shm_region_bytes, config.max_sessions
+                store,
+                servicer.auth,
+                path,
+                config.shm_region_bytes,
+                config.max_sessions,
+                servicer.inflight,
+                config.max_segment_bytes,
+                tcp,
             )
             await data.start()
-            servicer.data_socket = str(path)
+            servicer.data_socket = "" if path is None else str(path)
+            servicer.data_port = data.tcp_port
         await srv.start()
         for name in ("", SERVICE):
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -52,6 +52,7 @@ class Servicer(pb_grpc.TierKVServicer):
     inflight: Inflight = field(init=False)
     streams: int = 0
     data_socket: str = ""  # the data plane's Unix socket, once it listens
+    data_port: int = 0  # the data plane's TCP port, once it listens (0: off)
     counters: dict[str, NsCounters] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,10 +110,11 @@ class Servicer(pb_grpc.TierKVServicer):
                 self.config.max_segment_bytes, self.config.max_frame_bytes, self.config.max_frames
             )
             key, seg, held = await receive_put(request_iterator, lim, self.inflight)
+            seg.owned = True  # the receive buffer is this segment's alone: the store keeps it
             try:  # shielded: once whole and valid, a put completes even if its caller cancels
                 stored = await asyncio.shield(self.store.put(key, seg, ns))
             finally:
-                self.inflight.give(held)  # the store copied it
+                self.inflight.give(held)  # received: the write-behind queue bounds it from here
             c = self._ns(ns)
             c.puts += 1
             c.bytes_in += seg.nbytes
@@ -218,7 +220,9 @@ class Servicer(pb_grpc.TierKVServicer):
         async with self._call("DataPlane", context):
             check_known(request)
             return pb.DataPlaneResponse(
-                unix_socket=self.data_socket, region_bytes=self.config.shm_region_bytes
+                unix_socket=self.data_socket,
+                region_bytes=self.config.shm_region_bytes,
+                tcp_port=self.data_port,
             )
 
 

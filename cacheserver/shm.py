@@ -7,6 +7,15 @@ tiers into free ranges of the region and answers (offset, length) per key; the c
 them there and later RELEASEs the ranges (piggybacked on its next request). gRPC stays the
 control plane (lookups, puts, stats); only payload bytes of loads move this way.
 
+A client on another host uses the same protocol over the server's TCP data port: HELLO is
+answered without a region, and a GET is answered by OK with an empty body, then per key in
+order its REPLY (offset 0), encoded header and payload bytes (nothing to RELEASE).
+
+PUT (either socket) names one key and the encoded segment's length in its body; the encoded
+bytes follow on the socket. The server takes memory as they arrive, under its in-flight
+budget (past it: BUSY, and the session closes), checks the whole segment as a gRPC Put is
+checked, and answers OK with count 1 when it stored it.
+
 Safety contract:
 - a region belongs to one session, made fresh (zero-filled by the kernel) for it: it only ever
   holds bytes of that session's namespace, taken from the caller's token;
@@ -33,8 +42,8 @@ HEAD = struct.Struct("<IIQ")
 REPLY = struct.Struct(
     "<QQI"
 )  # GET reply, per key: region offset, payload bytes (0: miss), header bytes
-HELLO, GET, RELEASE = 1, 2, 3
-OK, UNAUTHENTICATED, BAD_REQUEST = 0, 1, 2
+HELLO, GET, RELEASE, PUT = 1, 2, 3, 4
+OK, UNAUTHENTICATED, BAD_REQUEST, BUSY = 0, 1, 2, 3
 MAX_KEYS = 4096  # keys in one GET
 MAX_BODY = 64 * 1024  # request bodies: a token or at most MAX_KEYS keys/offsets
 
@@ -141,11 +150,17 @@ def pack(code: int, count: int, body: bytes = b"") -> bytes:
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytes:
     """n bytes from a non-blocking socket; EOFError when it closes first."""
-    loop, buf, got = asyncio.get_running_loop(), bytearray(n), 0
-    view = memoryview(buf)
+    buf = bytearray(n)
+    await recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+async def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill view from a non-blocking socket (the kernel's copy only); EOFError when it closes
+    first."""
+    loop, got, n = asyncio.get_running_loop(), 0, len(view)
     while got < n:
         k = await loop.sock_recv_into(sock, view[got:])
         if k == 0:
             raise EOFError("connection closed")
         got += k
-    return bytes(buf)

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.copies import copied
 
 VARINT, LEN = 0, 2
 CORRUPT = -1  # SegmentFrame.kind of a frame that did not parse
@@ -36,6 +37,7 @@ def varint(n: int) -> bytes:
 
 def encode(head: Message, field: int, data: memoryview) -> bytes:
     """head's wire bytes plus bytes field `field` = data (one copy of data)."""
+    copied("wire.frame", len(data))
     return b"".join((head.SerializeToString(), varint(field << 3 | LEN), varint(len(data)), data))
 
 

@@ -39,9 +39,11 @@ class ConnectorConfig:
     load_timeout_s: float = 10.0  # a step's loads; past it the tokens are recomputed
     max_pending_saves: int = 256  # staged chunks waiting for their put; beyond it saves are dropped
     metrics_port: int = 0  # serve Prometheus metrics on 127.0.0.1:PORT; 0 = off
-    # Load from a tierkv-server on this host (grpc://127.0.0.1:PORT, localhost, ::1) over its
-    # shared-memory data plane; gRPC still carries lookups and saves, and every load when off.
-    shared_memory: bool = True
+    # Loads from a tierkv-server move over its data plane (gRPC still carries lookups and
+    # saves): shared memory with a server on this host (grpc://127.0.0.1:PORT, localhost,
+    # ::1), its TCP data port with one elsewhere. False: every load over gRPC streams.
+    data_plane: bool = True
+    shared_memory: bool = True  # with data_plane, a server on this host over shared memory
 
     def __post_init__(self) -> None:
         self.gpu_bytes, self.cpu_bytes = parse_size(self.gpu_bytes), parse_size(self.cpu_bytes)
@@ -72,7 +74,11 @@ class ConnectorConfig:
         """The local tiers (fastest first), then the shared one."""
         tiers = build_tiers(self.tiers())
         if self.remote is not None and self.remote.startswith(SERVER_SCHEMES):
-            tiers.append(server_tier(self.remote, self.token, self.tls_ca, self.shared_memory))
+            tiers.append(
+                server_tier(
+                    self.remote, self.token, self.tls_ca, self.data_plane, self.shared_memory
+                )
+            )
         if not tiers:
             raise ValueError(
                 "the connector needs at least one tier (cpu_bytes, gpu_bytes, disk_dir or remote)"
@@ -84,19 +90,25 @@ class ConnectorConfig:
 
 
 def server_tier(
-    url: str, token: str | None = None, tls_ca: str | None = None, shared_memory: bool = True
+    url: str,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    data_plane: bool = True,
+    shared_memory: bool = True,
 ) -> Tier:
-    """The tierkv-server at url (grpc://host:port, or grpcs:// with tls_ca), as a tier; one on
-    this host (127.0.0.1, localhost, ::1) loads over its shared-memory data plane unless
-    shared_memory is False."""
+    """The tierkv-server at url (grpc://host:port, or grpcs:// with tls_ca), as a tier. Its
+    loads take the server's data plane unless data_plane is False or TLS is on: shared memory
+    with a server on this host (127.0.0.1, localhost, ::1) unless shared_memory is False, its
+    TCP data port otherwise."""
     from tierkv.cacheserver.client import RemoteTier
-    from tierkv.cacheserver.shm_client import ShmTier
+    from tierkv.cacheserver.data_client import DataTier
 
     tls = url.startswith("grpcs://")
     if tls and tls_ca is None:
         raise ValueError("grpcs:// needs tls_ca (the server's CA certificate)")
     target = url.split("://", 1)[1]
+    if tls or not data_plane:
+        return RemoteTier(target=target, token=token, tls_ca=tls_ca if tls else None)
     host = target.rsplit(":", 1)[0].strip("[]")
     local = host in ("127.0.0.1", "localhost", "::1")
-    kind = ShmTier if shared_memory and local and not tls else RemoteTier
-    return kind(target=target, token=token, tls_ca=tls_ca if tls else None)
+    return DataTier(target=target, token=token, shared_memory=shared_memory and local)

@@ -27,6 +27,7 @@ from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
 from tierkv.storage_backends.base import Tier
+from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.keys import ChunkHasher, Salt
 from tierkv.storage_backends.segment import VERSION, dtype_name
 from tierkv.storage_backends.store import TieredStore
@@ -325,6 +326,7 @@ class TierKVConnector(KVConnector):
                 vs,
                 None if p.scales is None else p.scales[layer],
             )
+            copied("connector.gather", p.staging[layer].numel() * p.staging.element_size())
 
     def wait_for_save(self) -> None:
         self.steps += 1

@@ -21,6 +21,7 @@ import torch
 from tierkv.connector.plan import ConnectorStats, LoadPlan, SavePlan
 from tierkv.kernels import RotaryEmbedding, rerotate_k, scatter_kv
 from tierkv.storage_backends.base import Tier
+from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 
 log = logging.getLogger("tierkv.connector")
@@ -129,7 +130,6 @@ def scatter_layer(
     ks, vs = (kv_scales[layer, 0], kv_scales[layer, 1]) if kv_scales is not None else (None, None)
     for plan, good in zip(job.plans, segs):
         stop = plan.end if plan.failed_from is None else plan.failed_from
-        parts, scales = [], None
         for seg, c in zip(good, plan.chunks):
             lo, hi = max(plan.start, c.start), min(stop, c.end)
             if hi <= lo:
@@ -141,22 +141,11 @@ def scatter_layer(
                 part = torch.stack(
                     [rerotate_k(part[0], c.start - seg.base_position, rope), part[1]]
                 )
-            if seg.scales is not None:  # fp8 chunks carry their own scales: one scatter each
-                scatter_kv(
-                    part,
-                    cache[0],
-                    cache[1],
-                    plan.block_ids,
-                    lo,
-                    ks,
-                    vs,
-                    torch.from_numpy(seg.scales[layer]),
-                )
-            else:
-                parts.append(part)
-        if parts:  # one scatter for the whole run of same-scaled chunks
-            src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            scatter_kv(src, cache[0], cache[1], plan.block_ids, plan.start, ks, vs, scales)
+            # One scatter per chunk, from a view of its payload: no joined copy of the chunks.
+            # fp8 chunks carry their own scales.
+            scales = None if seg.scales is None else torch.from_numpy(seg.scales[layer])
+            scatter_kv(part, cache[0], cache[1], plan.block_ids, lo, ks, vs, scales)
+            copied("connector.scatter", part.numel() * part.element_size())
 
 
 async def run_load(
@@ -223,6 +212,7 @@ async def run_saves(
                 codec=codec,
                 scales=None if plan.scales is None else plan.scales.numpy(),
             )
+            seg.owned = True  # the staging tensor is this segment's alone from here on
             if await store.put(c.key, seg, ns):
                 stats.saved_chunks += 1
                 stats.saved_bytes += seg.nbytes

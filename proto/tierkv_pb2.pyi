@@ -144,9 +144,11 @@ class DataPlaneRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPlaneResponse(_message.Message):
-    __slots__ = ("unix_socket", "region_bytes")
+    __slots__ = ("unix_socket", "region_bytes", "tcp_port")
     UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     unix_socket: str
     region_bytes: int
-    def __init__(self, unix_socket: _Optional[str] = ..., region_bytes: _Optional[int] = ...) -> None: ...
+    tcp_port: int
+    def __init__(self, unix_socket: _Optional[str] = ..., region_bytes: _Optional[int] = ..., tcp_port: _Optional[int] = ...) -> None: ...

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.segment import KVSegment
 
 
@@ -58,6 +59,7 @@ def views(t: torch.Tensor, out: Any) -> bool:
 def copy_into(seg: KVSegment, out: Any) -> KVSegment:
     """Copy seg's payload into out (any device) and return a segment whose payload views out."""
     src = seg.payload.contiguous().reshape(-1).view(torch.uint8)
+    copied("buffers.copy", src.numel())
     mv = out_view(out, src.numel())
     if mv is None:
         dst = out.reshape(-1).view(torch.uint8)[: src.numel()]
@@ -75,6 +77,7 @@ def clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.to(device, copy=True).contiguous()
     out = torch.empty(t.shape, dtype=t.dtype)
     src = t.contiguous().reshape(-1).view(torch.uint8)
+    copied("buffers.copy", src.numel())
     out.reshape(-1).view(torch.uint8).numpy().data[:] = src.numpy().data
     return out
 

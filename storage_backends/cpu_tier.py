@@ -16,6 +16,7 @@ from tierkv.storage_backends.base import (
     parse_size,
 )
 from tierkv.storage_backends.buffers import out_view
+from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.pages import PageAllocator, runs
 from tierkv.storage_backends.segment import (
     KVSegment,
@@ -111,6 +112,7 @@ class CpuTier(IndexedTier[CpuEntry]):
         return KVSegment.from_parts(entry.header, buf, verify=self.config.verify_gets)
 
     def _gather(self, entry: CpuEntry, start: int, stop: int, dst: memoryview) -> None:
+        copied("cpu.get", stop - start)
         for at, logical, n in runs(entry.pages, self.page_bytes, start, stop):
             dst[logical - start : logical - start + n] = self._mv[at : at + n]
 
@@ -155,6 +157,7 @@ class CpuTier(IndexedTier[CpuEntry]):
         return h.nbytes
 
     def _scatter(self, entry: CpuEntry, start: int, src: memoryview) -> None:
+        copied("cpu.put", len(src))
         for at, logical, n in runs(entry.pages, self.page_bytes, start, start + len(src)):
             self._mv[at : at + n] = src[logical - start : logical - start + n]
 

@@ -14,6 +14,7 @@ import lz4.block
 import numpy as np
 import torch
 
+from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import (
     ALIGN,
     CODECS,
@@ -139,6 +140,13 @@ class KVSegment:
     # True when this payload's bytes were checked against `checksums` as they entered this
     # process (a tier reading from disk, Redis or a server): a reader need not check again.
     verified: bool = False
+    # True when the caller hands the payload over: nothing writes it after a put, so a store
+    # may keep this segment for its background writes instead of a copy (the connector's
+    # staging tensors and the server's receive buffers are handed over this way).
+    owned: bool = False
+    # The whole encoded segment when this one was decoded from it (the payload of codec none
+    # views it): a writer sends these bytes instead of encoding again. Valid as the payload is.
+    encoded: memoryview | None = None
 
     @staticmethod
     def from_tensor(
@@ -248,14 +256,18 @@ class KVSegment:
         h = self.header([len(memoryview(b).cast("B")) for b in blobs])
         return h, h.encode(), blobs
 
-    def encode(self) -> bytearray:
-        """The whole encoded segment in one allocation (a bytearray; bytes-like)."""
+    def encode(self) -> bytearray | memoryview:
+        """The whole encoded segment, bytes-like: the bytes it was decoded from when it has them,
+        else one new allocation."""
+        if self.encoded is not None:
+            return self.encoded
         h, head, blobs = self.encode_parts()
         out = bytearray(h.nbytes)
         mv = memoryview(out)
         mv[: len(head)] = head
         for (off, n), b in zip(h.layers, blobs):
             mv[off : off + n] = memoryview(b).cast("B")
+        copied("segment.encode", len(out))
         return out
 
     @property
@@ -285,12 +297,15 @@ class KVSegment:
     def from_parts(h: SegmentHeader, mv: memoryview, verify: bool = True) -> KVSegment:
         """Build from a decoded header and the whole encoded buffer mv (its payload at h.layers)."""
         if h.codec == "none":
-            return KVSegment.from_raw(h, mv[h.header_nbytes : h.nbytes], verify)
-        raw = bytearray(h.payload_raw_nbytes)
-        n = h.layer_raw_nbytes
-        for i, (off, ln) in enumerate(h.layers):
-            raw[i * n : (i + 1) * n] = _decode_layer_bytes(h, i, mv[off : off + ln])
-        return KVSegment.from_raw(h, memoryview(raw), verify=False)
+            seg = KVSegment.from_raw(h, mv[h.header_nbytes : h.nbytes], verify)
+        else:
+            raw = bytearray(h.payload_raw_nbytes)
+            n = h.layer_raw_nbytes
+            for i, (off, ln) in enumerate(h.layers):
+                raw[i * n : (i + 1) * n] = _decode_layer_bytes(h, i, mv[off : off + ln])
+            seg = KVSegment.from_raw(h, memoryview(raw), verify=False)
+        seg.encoded = mv[: h.nbytes]
+        return seg
 
     @staticmethod
     def from_raw(h: SegmentHeader, raw: memoryview, verify: bool = True) -> KVSegment:

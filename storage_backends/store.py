@@ -60,6 +60,9 @@ class Job:
     source: int
     targets: list[int]
     gen: int = 0  # the key's delete generation when queued; a delete since then cancels the job
+    # Ask each target whether it holds the key before sending it: only for demotions, since a
+    # put's caller has checked (keys name their content) and a promotion's targets missed.
+    check: bool = False
 
 
 @dataclass(slots=True)
@@ -112,7 +115,7 @@ class TieredStore(Tier):
 
     def _demoter(self, i: int):
         def demote(ns: str, key: bytes, segment: KVSegment) -> None:
-            if self._enqueue(Job(ns, key, segment, i, [i + 1])):
+            if self._enqueue(Job(ns, key, segment, i, [i + 1], check=True)):
                 self._stats.demoted += 1
                 self._moving[(ns, key)] = (segment, i + 1)
 
@@ -165,9 +168,9 @@ class TieredStore(Tier):
             tier = self.tiers[i]
             if self._gen.get((job.ns, job.key), 0) != job.gen:
                 return  # deleted after it was queued: a delete is final
-            if not (await tier.contains([job.key], job.ns))[0] and await tier.put(
-                job.key, seg, job.ns
-            ):
+            if job.check and (await tier.contains([job.key], job.ns))[0]:
+                continue
+            if await tier.put(job.key, seg, job.ns):
                 self._stats.written += 1
                 if self._gen.get((job.ns, job.key), 0) != job.gen:  # deleted while this put ran
                     await tier.delete(job.key, job.ns)
@@ -177,13 +180,16 @@ class TieredStore(Tier):
         check_put(key, segment, ns)
         ok = await self.tiers[0].put(key, segment, ns)
         if len(self.tiers) > 1:
-            # The queued job must not see later writes to the caller's tensor: read it back from
-            # tiers[0], or, when tiers[0] refused it, queue a private copy.
-            src = (
-                None
-                if ok
-                else with_payload(segment, clone_to(segment.payload, segment.payload.device))
-            )
+            # The queued job must not see later writes to the caller's tensor: it keeps a
+            # segment handed over (`owned`) as it is, else reads it back from tiers[0], or,
+            # when tiers[0] refused it, keeps a private copy.
+            src: KVSegment | None = segment
+            if not segment.owned:
+                src = (
+                    None
+                    if ok
+                    else with_payload(segment, clone_to(segment.payload, segment.payload.device))
+                )
             ok = self._enqueue(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
         return ok
 

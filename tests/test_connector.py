@@ -122,22 +122,29 @@ def test_reuse_from_disk_tier(cold, tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "shm", [pytest.param(True, marks=pytest.mark.triton_path), False], ids=["shm", "grpc"]
+    "path", [pytest.param("shm", marks=pytest.mark.triton_path), "tcp", "grpc"]
 )
-def test_reuse_through_cache_server(cold, shm: bool) -> None:
-    """Loads over the server's shared-memory data plane (the default on this host) or gRPC."""
+def test_reuse_through_cache_server(cold, path: str) -> None:
+    """Loads over the server's data plane, by shared memory (the default on this host) or its
+    TCP port, or over gRPC streams."""
     server = ServerProcess().start()
     try:
         cfg = ConnectorConfig(
-            chunk_size=CHUNK, cpu_bytes=0, remote=f"grpc://{server.target}", shared_memory=shm
+            chunk_size=CHUNK,
+            cpu_bytes=0,
+            remote=f"grpc://{server.target}",
+            data_plane=path != "grpc",
+            shared_memory=path == "shm",
         )
         writer, reader = TierKVConnector(cfg), TierKVConnector(cfg)
         try:
             check_reuse(writer, reader, cold, "remote")
             tier = reader.store.tiers[-1]
-            assert type(tier).__name__ == ("ShmTier" if shm else "RemoteTier")
+            assert type(tier).__name__ == ("RemoteTier" if path == "grpc" else "DataTier")
             assert tier.stats().errors == 0 and tier.stats().hits >= 3
-            assert (getattr(tier, "_session", None) is not None) == shm
+            session = getattr(tier, "_session", None)
+            assert (session is not None) == (path != "grpc")
+            assert (session is not None and session.region is not None) == (path == "shm")
         finally:
             writer.close()
             reader.close()

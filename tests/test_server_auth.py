@@ -208,3 +208,11 @@ def test_cli_bad_flag_exits_with_message(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(["--cpu-bytes", "many"])
     assert e.value.code == 2 and "cpu_bytes" in capsys.readouterr().err
+
+
+async def test_no_plain_tcp_data_port_beside_tls(tls_server) -> None:
+    """Bulk bytes never travel unencrypted beside a TLS control plane: no TCP data port."""
+    t = tier(tls_server, "token-team-a-0001")
+    r = await t.stub.DataPlane(pb.DataPlaneRequest(), **t._opts())
+    assert r.tcp_port == 0 and r.unix_socket  # the same-host path stays (a 0600 Unix socket)
+    await t.close()

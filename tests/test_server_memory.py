@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import time
 
 import grpc
 import psutil
@@ -91,4 +93,69 @@ def test_declared_sizes_reserve_nothing(server) -> None:
         finally:
             await tier.close()
 
+    assert asyncio.run(roundtrip())
+
+
+def data_plane_puts(target: str, rss, sessions: int = 60) -> tuple[int, list[int]]:
+    """`sessions` data plane PUTs (TCP) that each declare 256 MiB and send 1 MiB, then hang:
+    the RSS growth while they are open, and each one's status code (BUSY or none yet)."""
+    from tierkv.cacheserver.shm import BUSY, HEAD, HELLO, PUT, pack
+
+    async def port() -> int:
+        t = RemoteTier(target=target)
+        try:
+            return int((await t.stub.DataPlane(pb.DataPlaneRequest(), **t._opts())).tcp_port)
+        finally:
+            await t.close()
+
+    tcp = asyncio.run(port())
+    socks = []
+    before = rss()
+    for i in range(sessions):
+        sock = socket.create_connection(("127.0.0.1", tcp), 10)
+        sock.sendall(pack(HELLO, 0))
+        assert HEAD.unpack(sock.recv(HEAD.size + 8)[: HEAD.size])[0] == 0
+        head = pack(PUT, 1, i.to_bytes(16, "little") + (256 * MiB).to_bytes(8, "little"))
+        sock.sendall(head + os.urandom(MiB))
+        socks.append(sock)
+    time.sleep(2.0)  # every session's MiB has arrived
+    grown = rss() - before
+    codes = []
+    for sock in socks:
+        sock.setblocking(False)
+        try:
+            codes.append(HEAD.unpack(sock.recv(HEAD.size))[0])
+        except BlockingIOError:
+            codes.append(-1)  # still receiving: its MiB holds budget
+        sock.close()
+    assert set(codes) <= {BUSY, -1}
+    return grown, codes
+
+
+def test_data_plane_puts_reserve_nothing_either(server) -> None:
+    proc = psutil.Process(server.proc.pid)
+    from tierkv.cacheserver.shm import BUSY
+
+    grown, codes = data_plane_puts(server.target, lambda: proc.memory_info().rss)
+    assert grown <= BUDGET + 40 * MiB, f"RSS grew by {grown / MiB:.0f} MiB"
+    assert codes.count(-1) <= BUDGET // MiB and codes.count(BUSY) >= 60 - BUDGET // MiB, codes
+    seg = KVSegment.from_tensor(
+        torch.randn(48, 2, 256, 4, 64).to(torch.bfloat16),
+        key=b"d" * 16,
+        tokens=list(range(256)),
+        fingerprint=b"f" * 16,
+    )
+
+    async def roundtrip() -> bool:  # every byte went back to the budget
+        from tierkv.cacheserver.data_client import DataTier
+
+        tier = DataTier(target=server.target, shared_memory=False)
+        try:
+            ok = bool(await tier.put(seg.key, seg))
+            got = await tier.get(seg.key)
+            return ok and got is not None and tier._session is not None
+        finally:
+            await tier.close()
+
+    time.sleep(0.5)  # the closed sessions' bytes go back
     assert asyncio.run(roundtrip())

@@ -1,0 +1,116 @@
+"""DataTier: RemoteTier whose loads and saves move over the server's data plane
+(cacheserver.shm): shared memory with a server on this host, the server's TCP data port with
+one elsewhere. Lookups and deletes stay on gRPC.
+
+Safety contract: RemoteTier's, and: the session authenticates with this tier's token; a
+payload is copied out of the region (or received from the socket) and its layer checksums
+checked before the range is released or the segment handed out; when the data plane is off,
+unreachable or fails, loads and saves go over gRPC (the session is dropped and retried after
+`retry_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierkv.cacheserver.batch import Batcher
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.data_session import Session, Want, handshake
+from tierkv.cacheserver.shm import MAX_KEYS, Region
+from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.segment import KVSegment, SegmentError
+
+log = logging.getLogger("tierkv.remote")
+FAULTS = (OSError, EOFError, ValueError, SegmentError, asyncio.TimeoutError)
+
+
+@dataclass(slots=True, eq=False)
+class DataTier(RemoteTier):
+    # Shared memory when the server announces a Unix socket and runs on this host (the
+    # connector decides that from the target); else the server's TCP data port.
+    shared_memory: bool = True
+    retry_s: float = 5.0  # after a data plane failure, loads and saves use gRPC this long
+    name: str = "remote"
+    _session: Session | None = None
+    _down_until: float = 0.0
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _batch: Batcher[Want, tuple[KVSegment, int] | None] | None = None  # reads -> one GET
+
+    def __post_init__(self) -> None:
+        self._start_stats(device="shm")
+
+    async def _open(self) -> Session | None:
+        r = await self._retry(
+            "data plane", lambda: self.stub.DataPlane(pb.DataPlaneRequest(), **self._opts())
+        )
+        if r is None:
+            return None
+        if self.shared_memory and r.unix_socket:
+            where: str | tuple[str, int] = r.unix_socket
+        elif r.tcp_port:
+            where = (self.target.rsplit(":", 1)[0].strip("[]"), r.tcp_port)
+        else:
+            return None
+        loop = asyncio.get_running_loop()
+        sock, fd = await loop.run_in_executor(
+            None, handshake, where, self.token or "", self.timeout_s
+        )
+        sock.setblocking(False)
+        return Session(sock, None if fd is None else Region.attach(fd), self.max_segment_bytes)
+
+    async def _session_up(self) -> Session | None:
+        """The session, opened on first use (the first calls arrive together: one session)."""
+        if time.monotonic() < self._down_until:
+            return None
+        if self._session is None:
+            async with self._opening:
+                if self._session is None:
+                    self._session = await self._open()
+            if self._session is None:
+                self._down_until = time.monotonic() + self.retry_s
+        return self._session
+
+    def _drop(self, op: str, e: BaseException) -> None:
+        self._fail(f"data plane {op}", e)
+        self._down_until = time.monotonic() + self.retry_s
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    async def _read(self, ns: str, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
+        try:
+            if await self._session_up() is not None:
+                if self._batch is None:
+                    self._batch = Batcher(self._exchange, MAX_KEYS)
+                got = await asyncio.wait_for(self._batch.submit(Want(key, out)), self.timeout_s)
+                if got is not None:
+                    return got
+        except FAULTS as e:
+            self._drop("get", e)
+        return await RemoteTier._read(self, ns, key, out)  # off, missed or failed: gRPC
+
+    async def _exchange(self, batch: list[Want]) -> list[tuple[KVSegment, int] | None | Exception]:
+        """Concurrent reads (a request's chunks) share one GET and one reply."""
+        if self._session is None:
+            raise ConnectionError("data plane session closed")
+        return await self._session.get(batch)
+
+    async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
+        try:
+            s = await self._session_up()
+            if s is not None:
+                stored = await asyncio.wait_for(s.put(key, segment), self.timeout_s)
+                return segment.nbytes if stored else None
+        except FAULTS as e:
+            self._drop("put", e)
+        return await RemoteTier._write(self, ns, key, segment)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        await RemoteTier.close(self)

@@ -1,0 +1,165 @@
+"""The server's data plane operations on one session (protocol in cacheserver.shm): GET into
+the session's region, GET with the payloads inline (TCP), and PUT.
+
+GET into a region copies each payload once, from the tier holding it (a cpu-tier hit is read
+straight into the region); inline, each payload is sent from the segment the store returned.
+PUT receives the encoded bytes straight into one buffer, taken from the in-flight budget as
+they arrive, and stores them only once the whole segment checks out."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.cacheserver.frames import BadRequest
+from tierkv.cacheserver.receive import Inflight
+from tierkv.cacheserver.shm import (
+    HEAD,
+    MAX_BODY,
+    MAX_KEYS,
+    OK,
+    REPLY,
+    RangeAllocator,
+    Region,
+    pack,
+    recv_exactly,
+    recv_into,
+)
+from tierkv.storage_backends.base import KEY_NBYTES, IndexedTier, MiB
+from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.segment import KVSegment, SegmentError
+from tierkv.storage_backends.store import TieredStore
+
+
+class Refused(Exception):
+    """A malformed request: the session is closed."""
+
+
+class Busy(Exception):
+    """The server's in-flight budget is spent: the session is closed, the client retries."""
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    ns: str
+    region: Region | None  # None: a TCP session, whose payloads follow each GET reply
+    ranges: RangeAllocator
+
+
+async def get_into_region(store: TieredStore, s: Session, count: int, body: bytes) -> bytes:
+    """The reply to a GET on a shared-memory session: per key its range and header."""
+    out, heads = [], []
+    for key in keys_of(count, body):
+        off, n, head = await _read(store, s, key)
+        out.append(REPLY.pack(off, n, len(head)))
+        heads.append(head)
+    return pack(OK, count, b"".join(out) + b"".join(heads))
+
+
+async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, bytes]:
+    """(offset, payload bytes, encoded header) of key's segment copied into the region, or
+    (0, 0, b"") on a miss or when the region is full (the client then loads over gRPC)."""
+    region = s.region
+    assert region is not None  # only shared-memory sessions come here
+    top = store.tiers[0]
+    entry = top.index.get((s.ns, key)) if isinstance(top, IndexedTier) else None
+    head = getattr(entry, "header", None)
+    if head is not None and head.codec == "none":  # read straight into the region
+        n = head.payload_raw_nbytes
+        off = s.ranges.alloc(n)
+        if off is None:
+            return 0, 0, b""
+        seg = await store.get(key, s.ns, out=memoryview(region.map)[off : off + n])
+        if seg is None:
+            s.ranges.release(off)
+            return 0, 0, b""
+        return off, n, head.encode()
+    # A slower tier, or a compressed segment: decoded here, then copied into the region.
+    seg = await store.get(key, s.ns)
+    if seg is None:
+        return 0, 0, b""
+    raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
+    off = s.ranges.alloc(len(raw))
+    if off is None:
+        return 0, 0, b""
+    region.map[off : off + len(raw)] = raw
+    copied("shm.copy_in", len(raw))
+    return off, len(raw), seg.header().encode()
+
+
+async def get_inline(
+    store: TieredStore, conn: socket.socket, s: Session, count: int, body: bytes
+) -> None:
+    """A GET over TCP: OK, then per key its REPLY, header and payload, one key at a time (the
+    server holds one segment per session, however many keys a GET names)."""
+    keys = keys_of(count, body)
+    await sendall(conn, pack(OK, count))
+    for key in keys:
+        seg = await store.get(key, s.ns)
+        if seg is None:
+            await sendall(conn, REPLY.pack(0, 0, 0))
+            continue
+        head = seg.header().encode()
+        raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
+        await sendall(conn, REPLY.pack(0, len(raw), len(head)) + head)
+        await sendall(conn, raw)
+
+
+async def put(
+    store: TieredStore,
+    conn: socket.socket,
+    s: Session,
+    body: bytes,
+    max_segment_bytes: int,
+    inflight: Inflight,
+) -> bytes:
+    """Receive one PUT's encoded segment, check it whole, store it; the reply."""
+    if len(body) != KEY_NBYTES + 8:
+        raise Refused(f"PUT body of {len(body)} bytes: expected a key and a length")
+    key, (total,) = body[:KEY_NBYTES], struct.unpack("<Q", body[KEY_NBYTES:])
+    if not 0 < total <= max_segment_bytes:
+        raise Refused(f"PUT of {total} bytes; max_segment_bytes is {max_segment_bytes}")
+    # Virtual memory only: pages become resident as bytes arrive, each step under the budget.
+    buf = torch.empty(total, dtype=torch.uint8).numpy().data
+    taken = 0
+    try:
+        while taken < total:
+            step = min(MiB, total - taken)
+            try:
+                inflight.take(step)
+            except BadRequest as e:
+                raise Busy(e.message) from None
+            taken += step
+            await recv_into(conn, buf[taken - step : taken])
+        try:
+            seg = KVSegment.decode(buf, verify=True)
+        except SegmentError as e:
+            raise Refused(f"malformed segment: {e}") from None
+        if seg.key != key:
+            raise Refused("the segment's own key differs from the PUT's key")
+        seg.owned = True  # the buffer is this segment's alone: the store keeps it
+        stored = await asyncio.shield(store.put(key, seg, s.ns))
+    finally:
+        inflight.give(taken)
+    return pack(OK, int(bool(stored)))
+
+
+def keys_of(count: int, body: bytes) -> list[bytes]:
+    if not 0 < count <= MAX_KEYS or len(body) != count * KEY_NBYTES:
+        raise Refused(f"GET of {count} keys with a body of {len(body)} bytes")
+    return [body[i * KEY_NBYTES : (i + 1) * KEY_NBYTES] for i in range(count)]
+
+
+async def recv_request(conn: socket.socket) -> tuple[int, int, bytes]:
+    op, count, n = HEAD.unpack(await recv_exactly(conn, HEAD.size))
+    if n > MAX_BODY:
+        raise Refused(f"request body of {n} bytes exceeds {MAX_BODY}")
+    return op, count, await recv_exactly(conn, n) if n else b""
+
+
+async def sendall(conn: socket.socket, data: bytes | memoryview) -> None:
+    await asyncio.get_running_loop().sock_sendall(conn, data)

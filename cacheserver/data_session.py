@@ -1,0 +1,183 @@
+"""One client session of the server's data plane (protocol in cacheserver.shm): its socket,
+its shared-memory region when the server is on this host, and the GET and PUT exchanges.
+
+Safety contract: one exchange on the socket at a time (`io`); every reply is checked against
+what was asked (count, key, shape, range inside the region, sizes within the caller's limit)
+before a byte is used, and each payload's layer checksums before it is handed out; anything
+that does not fit raises, and the caller drops the session."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierkv.cacheserver.shm import (
+    GET,
+    HEAD,
+    HELLO,
+    MAX_BODY,
+    OK,
+    PUT,
+    RELEASE,
+    REPLY,
+    Region,
+    pack,
+    recv_exactly,
+    recv_into,
+)
+from tierkv.storage_backends.buffers import copy_bytes, copy_into, out_view
+from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.header import SegmentHeader
+from tierkv.storage_backends.segment import KVSegment, SegmentError
+
+Got = tuple[KVSegment, int] | None | Exception  # one key's answer: (segment, bytes), a miss, or why
+
+
+@dataclass(slots=True, eq=False)
+class Want:
+    key: bytes
+    out: Any  # the caller's destination for the payload, or None
+
+
+def handshake(
+    where: str | tuple[str, int], token: str, timeout_s: float
+) -> tuple[socket.socket, int | None]:
+    """Connect to a Unix socket path or a (host, port), authenticate, and receive the region's
+    fd (none over TCP). Blocking: run it in a thread."""
+    if isinstance(where, tuple):
+        sock = socket.create_connection(where, timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        if isinstance(where, str):
+            sock.connect(where)
+        sock.sendall(pack(HELLO, 0, token.encode()))
+        msg, fds, _, _ = socket.recv_fds(sock, HEAD.size + 1024, 1)
+        code, _, n = HEAD.unpack_from(msg)
+        if code == OK and isinstance(where, tuple) and not fds:
+            return sock, None
+        if code != OK or len(fds) != 1:
+            for fd in fds:
+                socket.close(fd)
+            why = msg[HEAD.size : HEAD.size + n].decode(errors="replace")
+            raise ConnectionError(f"data plane refused the session: {why}")
+        return sock, fds[0]
+    except BaseException:
+        sock.close()
+        raise
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    sock: socket.socket  # non-blocking
+    region: Region | None  # None: over TCP, each payload follows its reply
+    max_bytes: int  # largest payload accepted from the server
+    released: list[int] = field(default_factory=list)  # offsets to release with the next GET
+    io: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.region is not None:
+            self.region.close()
+
+    async def put(self, key: bytes, seg: KVSegment) -> bool:
+        """Send the encoded segment from its own bytes (the kernel's copy only); whether the
+        server stored it."""
+        h, head, blobs = seg.encode_parts()
+        loop = asyncio.get_running_loop()
+        async with self.io:
+            await loop.sock_sendall(self.sock, pack(PUT, 1, key + struct.pack("<Q", h.nbytes)))
+            await loop.sock_sendall(self.sock, head)
+            for blob in blobs:
+                await loop.sock_sendall(self.sock, memoryview(blob).cast("B"))
+            code, stored, n = HEAD.unpack(await recv_exactly(self.sock, HEAD.size))
+            why = await recv_exactly(self.sock, min(n, MAX_BODY)) if n else b""
+        if code != OK:
+            raise ConnectionError(f"data plane refused the put ({code}): {why!r}")
+        return bool(stored)
+
+    async def get(self, batch: list[Want]) -> list[Got]:
+        """One GET of every key in batch; the answers in order."""
+        msg = pack(GET, len(batch), b"".join(w.key for w in batch))
+        loop = asyncio.get_running_loop()
+        async with self.io:
+            if self.released:
+                rel = struct.pack(f"<{len(self.released)}Q", *self.released)
+                msg = pack(RELEASE, len(self.released), rel) + msg
+                self.released.clear()
+            await loop.sock_sendall(self.sock, msg)
+            code, count, n = HEAD.unpack(await recv_exactly(self.sock, HEAD.size))
+            if n > len(batch) * (REPLY.size + MAX_BODY):
+                raise ValueError(f"data plane reply of {n} bytes for {len(batch)} keys")
+            body = memoryview(await recv_exactly(self.sock, n))
+            if code != OK or count != len(batch):
+                raise ValueError(f"data plane answered {code}: {bytes(body[:200])!r}")
+            if self.region is None:
+                return [await self._inline(w) for w in batch]
+        return self._ranges(batch, body)
+
+    def _ranges(self, batch: list[Want], body: memoryview) -> list[Got]:
+        if len(body) < len(batch) * REPLY.size:
+            raise ValueError("data plane reply too short for its keys")
+        out: list[Got] = []
+        pos = len(batch) * REPLY.size
+        for i, w in enumerate(batch):
+            off, size, hlen = REPLY.unpack_from(body, i * REPLY.size)
+            head, pos = body[pos : pos + hlen], pos + hlen
+            if size == 0:
+                out.append(None)
+                continue
+            try:
+                out.append(self._take(w, off, size, head))
+            except (ValueError, SegmentError) as e:
+                out.append(e)
+            finally:
+                self.released.append(off)
+        return out
+
+    def _take(self, w: Want, off: int, size: int, head: memoryview) -> Got:
+        """The one copy in this process: the payload out of the region, then checked."""
+        h = SegmentHeader.decode(head)
+        assert self.region is not None
+        if h.key != w.key or h.payload_raw_nbytes != size or off + size > self.region.size:
+            raise ValueError("data plane answered a range that does not fit the segment")
+        into = (
+            torch.empty(size, dtype=torch.uint8).numpy().data
+            if w.out is None
+            else out_view(w.out, size)
+        )
+        if into is None:  # a device tensor: the caller's gRPC path copies into it
+            return None
+        copy_bytes(into, memoryview(self.region.map)[off : off + size])
+        copied("shm.copy_out", size)
+        seg = KVSegment.from_raw(h, into, verify=True)
+        return seg, seg.nbytes
+
+    async def _inline(self, w: Want) -> Got:
+        """One key's answer over TCP: REPLY, header and payload, received straight into the
+        segment's buffer (or the caller's `out`), then checked."""
+        _, size, hlen = REPLY.unpack(await recv_exactly(self.sock, REPLY.size))
+        if size == 0:
+            return None
+        if size > self.max_bytes or not 0 < hlen <= MAX_BODY:
+            raise ValueError(f"data plane announced {size} payload and {hlen} header bytes")
+        h = SegmentHeader.decode(await recv_exactly(self.sock, hlen))
+        if h.key != w.key or h.payload_raw_nbytes != size:
+            raise ValueError("data plane answered a payload that does not fit the segment")
+        into = None if w.out is None else out_view(w.out, size)
+        buf = torch.empty(size, dtype=torch.uint8).numpy().data if into is None else into
+        await recv_into(self.sock, buf)
+        try:
+            seg = KVSegment.from_raw(h, buf, verify=True)
+            if w.out is not None and into is None:  # a device tensor
+                seg = copy_into(seg, w.out)
+            return seg, seg.nbytes
+        except (ValueError, SegmentError) as e:
+            return e

@@ -1,0 +1,137 @@
+"""Payload copies per process hop, counted by the code itself (tierkv.storage_backends.copies):
+one segment saved client -> server -> Redis, then loaded back over gRPC and over shared memory
+from the server's cpu tier and from Redis. The counts are docs/architecture.md's copy table."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from tierkv.cacheserver.cli import build_store
+from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.config import ServerConfig
+from tierkv.cacheserver.data_client import DataTier
+from tierkv.cacheserver.server import Server
+from tierkv.storage_backends.base import DEFAULT_NAMESPACE as NS
+from tierkv.storage_backends.copies import copied, counting
+from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.store import StoreConfig, TieredStore
+
+
+def segment(key: bytes = b"k" * 16) -> KVSegment:
+    kv = torch.randn(4, 2, 256, 2, 64, generator=torch.Generator().manual_seed(3))
+    seg = KVSegment.from_tensor(
+        kv.to(torch.bfloat16), key=key, tokens=list(range(256)), fingerprint=b"f" * 16
+    )
+    seg.owned = True  # handed over, as the connector hands over its staging tensors
+    return seg
+
+
+def nonzero(c: Counter[str]) -> dict[str, int]:
+    return {k: v for k, v in sorted(c.items()) if v}
+
+
+def test_the_counter_counts_only_while_on() -> None:
+    copied("x", 5)
+    with counting() as c:
+        copied("x", 7)
+        copied("x", 1)
+    copied("x", 9)
+    assert nonzero(c) == {"x": 8}
+
+
+async def test_copies_per_hop_save_and_load(redis_proc, tmp_path) -> None:
+    config = ServerConfig(
+        port=0,
+        cache_dir=str(tmp_path),
+        cpu_bytes=64 << 20,
+        disk_bytes=64 << 20,
+        redis_url=redis_proc.url,
+    )
+    server = await Server.start(config, build_store(config))
+    target = f"127.0.0.1:{server.port}"
+    seg = segment()
+    whole, payload = seg.nbytes, seg.payload.numel() * seg.payload.element_size()
+
+    def client(remote: RemoteTier) -> TieredStore:
+        return TieredStore([CpuTier(CpuTierConfig("16MiB")), remote], StoreConfig())
+
+    try:
+        # Save: the client's cpu tier keeps a copy; its write-behind job sends the segment it
+        # was handed (no read-back); gRPC frames it (1); the server receives it (1), keeps a
+        # copy in its cpu tier and writes disk and Redis from the received bytes (no encode).
+        saver = client(RemoteTier(target=target))
+        with counting() as c:
+            assert await saver.put(seg.key, seg)
+            await saver.drain()
+            await server.store.drain()
+        assert nonzero(c) == {"cpu.put": 2 * whole, "server.receive": whole, "wire.frame": whole}
+        assert [await t.contains([seg.key]) for t in server.store.tiers] == [[True]] * 3
+
+        # Save over the data plane (a Unix socket or TCP): the bytes leave from the segment
+        # and arrive in the server's one receive buffer by the kernel's copies alone.
+        for i, shm in enumerate((True, False)):
+            other = segment(bytes([i]) * 16)
+            data_saver = client(DataTier(target=target, shared_memory=shm))
+            with counting() as c:
+                assert await data_saver.put(other.key, other)
+                await data_saver.drain()
+                await server.store.drain()
+            assert nonzero(c) == {"cpu.put": 2 * whole}
+            assert data_saver.tiers[1]._session is not None
+            await data_saver.close()
+
+        # Load over gRPC from Redis: frames from the bytes Redis returned (1 in the server),
+        # assembled (1 in the client); promotions into both cpu tiers run in the background.
+        for t in server.store.tiers[:2]:
+            assert await t.delete(seg.key, NS)
+        loader = client(RemoteTier(target=target))
+        with counting() as c:
+            got = await loader.get(seg.key)
+            assert got is not None and torch.equal(got.payload, seg.payload)
+            loads = nonzero(c)
+            await loader.drain()
+            await server.store.drain()
+        loads.pop("cpu.put", None)  # the server's queued promotion may run beside the stream
+        assert loads == {"wire.assemble": payload, "wire.frame": payload}
+        assert nonzero(c)["cpu.put"] == 2 * whole  # the two promotions
+
+        # Over shared memory: from the server's cpu tier straight into the region (1), out of
+        # the region (1); from Redis, copied into the region (1), out of it (1).
+        for from_redis in (False, True):
+            if from_redis:
+                for t in server.store.tiers[:2]:
+                    assert await t.delete(seg.key, NS)
+            shm = DataTier(target=target)
+            with counting() as c:
+                got = await shm.get(seg.key)
+                assert got is not None and torch.equal(got.payload, seg.payload)
+                await server.store.drain()
+            loads = nonzero(c)
+            assert loads.pop("cpu.put", 0) == (whole if from_redis else 0)  # promotion, queued
+            first = "shm.copy_in" if from_redis else "cpu.get"
+            assert loads == {first: payload, "shm.copy_out": payload}
+            await shm.close()
+            await server.store.drain()
+        # Over TCP: the store's copy out of the server's cpu tier (the whole segment), then the
+        # kernel's copies only, straight into the client's buffer; from Redis, none of ours.
+        for from_redis in (False, True):
+            if from_redis:
+                for t in server.store.tiers[:2]:
+                    assert await t.delete(seg.key, NS)
+            tcp = DataTier(target=target, shared_memory=False)
+            with counting() as c:
+                got = await tcp.get(seg.key)
+                assert got is not None and torch.equal(got.payload, seg.payload)
+                await server.store.drain()
+            assert tcp._session is not None and tcp._session.region is None
+            loads = nonzero(c)
+            assert loads.pop("cpu.put", 0) == (whole if from_redis else 0)  # promotion, queued
+            assert loads == ({} if from_redis else {"cpu.get": whole})
+            await tcp.close()
+        await saver.close()
+        await loader.close()
+    finally:
+        await server.stop()
