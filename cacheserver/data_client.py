@@ -19,7 +19,7 @@ from typing import Any
 
 from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_session import Session, Want, handshake
+from tierkv.cacheserver.data_session import Elsewhere, Session, Want, handshake
 from tierkv.cacheserver.shm import MAX_KEYS, Region
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.segment import KVSegment, SegmentError
@@ -86,12 +86,12 @@ class DataTier(RemoteTier):
             if await self._session_up() is not None:
                 if self._batch is None:
                     self._batch = Batcher(self._exchange, MAX_KEYS)
-                got = await asyncio.wait_for(self._batch.submit(Want(key, out)), self.timeout_s)
-                if got is not None:
-                    return got
+                return await asyncio.wait_for(self._batch.submit(Want(key, out)), self.timeout_s)
+        except Elsewhere:
+            pass
         except FAULTS as e:
             self._drop("get", e)
-        return await RemoteTier._read(self, ns, key, out)  # off, missed or failed: gRPC
+        return await RemoteTier._read(self, ns, key, out)  # off, elsewhere or failed: gRPC
 
     async def _exchange(self, batch: list[Want]) -> list[tuple[KVSegment, int] | None | Exception]:
         """Concurrent reads (a request's chunks) share one GET and one reply."""

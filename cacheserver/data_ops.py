@@ -12,12 +12,14 @@ import asyncio
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from tierkv.cacheserver.frames import BadRequest
 from tierkv.cacheserver.receive import Inflight
 from tierkv.cacheserver.shm import (
+    FULL,
     HEAD,
     MAX_BODY,
     MAX_KEYS,
@@ -50,19 +52,31 @@ class Session:
     ranges: RangeAllocator
 
 
-async def get_into_region(store: TieredStore, s: Session, count: int, body: bytes) -> bytes:
+class Counts(Protocol):
+    """Where the server counts what each namespace did (its Stats RPC and metrics)."""
+
+    def count_get(self, ns: str, where: str, nbytes: int) -> None: ...
+
+    def count_put(self, ns: str, nbytes: int) -> None: ...
+
+
+async def get_into_region(
+    store: TieredStore, counts: Counts, s: Session, count: int, body: bytes
+) -> bytes:
     """The reply to a GET on a shared-memory session: per key its range and header."""
     out, heads = [], []
     for key in keys_of(count, body):
-        off, n, head = await _read(store, s, key)
+        off, n, head, where = await _read(store, s, key)
+        counts.count_get(s.ns, where, n)
         out.append(REPLY.pack(off, n, len(head)))
         heads.append(head)
     return pack(OK, count, b"".join(out) + b"".join(heads))
 
 
-async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, bytes]:
-    """(offset, payload bytes, encoded header) of key's segment copied into the region, or
-    (0, 0, b"") on a miss or when the region is full (the client then loads over gRPC)."""
+async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, bytes, str]:
+    """(offset, payload bytes, encoded header, tier) of key's segment copied into the region,
+    (0, 0, b"", "") on a miss, or (FULL, 0, b"", "") when the region has no room (the client
+    then loads it over gRPC)."""
     region = s.region
     assert region is not None  # only shared-memory sessions come here
     top = store.tiers[0]
@@ -72,45 +86,48 @@ async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, b
         n = head.payload_raw_nbytes
         off = s.ranges.alloc(n)
         if off is None:
-            return 0, 0, b""
-        seg = await store.get(key, s.ns, out=memoryview(region.map)[off : off + n])
+            return FULL, 0, b"", ""
+        seg, where = await store.get_from(key, s.ns, out=memoryview(region.map)[off : off + n])
         if seg is None:
             s.ranges.release(off)
-            return 0, 0, b""
-        return off, n, head.encode()
+            return 0, 0, b"", ""
+        return off, n, head.encode(), where
     # A slower tier, or a compressed segment: decoded here, then copied into the region.
-    seg = await store.get(key, s.ns)
+    seg, where = await store.get_from(key, s.ns)
     if seg is None:
-        return 0, 0, b""
+        return 0, 0, b"", ""
     raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
     off = s.ranges.alloc(len(raw))
     if off is None:
-        return 0, 0, b""
+        return FULL, 0, b"", ""
     region.map[off : off + len(raw)] = raw
     copied("shm.copy_in", len(raw))
-    return off, len(raw), seg.header().encode()
+    return off, len(raw), seg.header().encode(), where
 
 
 async def get_inline(
-    store: TieredStore, conn: socket.socket, s: Session, count: int, body: bytes
+    store: TieredStore, counts: Counts, conn: socket.socket, s: Session, count: int, body: bytes
 ) -> None:
     """A GET over TCP: OK, then per key its REPLY, header and payload, one key at a time (the
     server holds one segment per session, however many keys a GET names)."""
     keys = keys_of(count, body)
     await sendall(conn, pack(OK, count))
     for key in keys:
-        seg = await store.get(key, s.ns)
+        seg, where = await store.get_from(key, s.ns)
         if seg is None:
+            counts.count_get(s.ns, "", 0)
             await sendall(conn, REPLY.pack(0, 0, 0))
             continue
         head = seg.header().encode()
         raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
         await sendall(conn, REPLY.pack(0, len(raw), len(head)) + head)
         await sendall(conn, raw)
+        counts.count_get(s.ns, where, len(raw))
 
 
 async def put(
     store: TieredStore,
+    counts: Counts,
     conn: socket.socket,
     s: Session,
     body: bytes,
@@ -143,6 +160,7 @@ async def put(
             raise Refused("the segment's own key differs from the PUT's key")
         seg.owned = True  # the buffer is this segment's alone: the store keeps it
         stored = await asyncio.shield(store.put(key, seg, s.ns))
+        counts.count_put(s.ns, total)
     finally:
         inflight.give(taken)
     return pack(OK, int(bool(stored)))

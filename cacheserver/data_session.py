@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tierkv.cacheserver.shm import (
+    FULL,
     GET,
     HEAD,
     HELLO,
@@ -36,6 +37,11 @@ from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 
 Got = tuple[KVSegment, int] | None | Exception  # one key's answer: (segment, bytes), a miss, or why
+
+
+class Elsewhere(Exception):
+    """This key must be loaded over gRPC: the region had no room for it, or the caller's
+    `out` lives on a device. Not a fault: the session stays."""
 
 
 @dataclass(slots=True, eq=False)
@@ -132,11 +138,11 @@ class Session:
             off, size, hlen = REPLY.unpack_from(body, i * REPLY.size)
             head, pos = body[pos : pos + hlen], pos + hlen
             if size == 0:
-                out.append(None)
+                out.append(Elsewhere("no room in the region") if off == FULL else None)
                 continue
             try:
                 out.append(self._take(w, off, size, head))
-            except (ValueError, SegmentError) as e:
+            except (ValueError, SegmentError, Elsewhere) as e:
                 out.append(e)
             finally:
                 self.released.append(off)
@@ -154,7 +160,7 @@ class Session:
             else out_view(w.out, size)
         )
         if into is None:  # a device tensor: the caller's gRPC path copies into it
-            return None
+            raise Elsewhere("out is on a device")
         copy_bytes(into, memoryview(self.region.map)[off : off + size])
         copied("shm.copy_out", size)
         seg = KVSegment.from_raw(h, into, verify=True)

@@ -50,6 +50,7 @@ class DataPlane:
     region_bytes: int
     max_sessions: int
     inflight: Inflight  # the server-wide budget of bytes being received (shared with gRPC)
+    counts: ops.Counts  # per-namespace gets and puts, reported by Stats as gRPC's are
     max_segment_bytes: int  # the largest segment a PUT may carry
     tcp: tuple[str, int] | None = None  # (host, port) of the TCP data port; None: off
     tcp_port: int = 0  # the TCP port bound, once started
@@ -121,12 +122,21 @@ class DataPlane:
                         except ValueError as e:
                             raise Refused(str(e)) from None
                 elif op == GET and session.region is None:
-                    await ops.get_inline(self.store, conn, session, count, body)
+                    await ops.get_inline(self.store, self.counts, conn, session, count, body)
                 elif op == GET:
-                    await sendall(conn, await ops.get_into_region(self.store, session, count, body))
+                    await sendall(
+                        conn,
+                        await ops.get_into_region(self.store, self.counts, session, count, body),
+                    )
                 elif op == PUT and count == 1:
                     reply = await ops.put(
-                        self.store, conn, session, body, self.max_segment_bytes, self.inflight
+                        self.store,
+                        self.counts,
+                        conn,
+                        session,
+                        body,
+                        self.max_segment_bytes,
+                        self.inflight,
                     )
                     await sendall(conn, reply)
                 else:

@@ -113,6 +113,7 @@ class Server:
                 config.shm_region_bytes,
                 config.max_sessions,
                 servicer.inflight,
+                servicer,
                 config.max_segment_bytes,
                 tcp,
             )

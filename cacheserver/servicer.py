@@ -115,11 +115,26 @@ class Servicer(pb_grpc.TierKVServicer):
                 stored = await asyncio.shield(self.store.put(key, seg, ns))
             finally:
                 self.inflight.give(held)  # received: the write-behind queue bounds it from here
-            c = self._ns(ns)
-            c.puts += 1
-            c.bytes_in += seg.nbytes
-            self.metrics.wire_bytes.labels("in").inc(seg.nbytes)
+            self.count_put(ns, seg.nbytes)
             return pb.PutResponse(stored=bool(stored))
+
+    def count_put(self, ns: str, nbytes: int) -> None:
+        """A put of ns received whole (over gRPC or the data plane)."""
+        c = self._ns(ns)
+        c.puts += 1
+        c.bytes_in += nbytes
+        self.metrics.wire_bytes.labels("in").inc(nbytes)
+
+    def count_get(self, ns: str, where: str, nbytes: int) -> None:
+        """A get of ns answered from tier `where` with nbytes sent ("": a miss)."""
+        c = self._ns(ns)
+        c.gets += 1
+        if not where:
+            c.misses += 1
+            return
+        c.hits[where] = c.hits.get(where, 0) + 1
+        c.bytes_out += nbytes
+        self.metrics.wire_bytes.labels("out").inc(nbytes)
 
     async def _layers(self, key: bytes, ns: str) -> tuple[str, AsyncIterator[SegmentLayer]]:
         """The tier holding key and its layers: streamed from the fastest tier, or read
@@ -135,8 +150,7 @@ class Servicer(pb_grpc.TierKVServicer):
     async def _frames(self, index: int, key: bytes, ns: str) -> AsyncIterator[bytes]:
         """The serialized SegmentFrames of one key (see `wire`: one copy from tier memory)."""
         where, chunks = await self._layers(key, ns)
-        c, frame, sent, layers = self._ns(ns), self.config.max_frame_bytes, 0, -1
-        c.gets += 1
+        frame, sent, layers = self.config.max_frame_bytes, 0, -1
         async for chunk in chunks:
             h = chunk.header
             if chunk.layer == 0:
@@ -156,12 +170,10 @@ class Servicer(pb_grpc.TierKVServicer):
             layers = chunk.layer
         if sent == 0 or layers + 1 != h.num_layers:
             # Absent, or the tier failed midway: MISS tells the client to drop what it has.
-            c.misses += 1
+            self.count_get(ns, "", 0)
             yield pb.SegmentFrame(index=index, kind=pb.SegmentFrame.MISS).SerializeToString()
             return
-        c.hits[where] = c.hits.get(where, 0) + 1
-        c.bytes_out += sent
-        self.metrics.wire_bytes.labels("out").inc(sent)
+        self.count_get(ns, where, sent)
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[bytes]:
         async with self._call("Get", context, stream=True) as ns:

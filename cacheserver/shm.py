@@ -44,6 +44,9 @@ REPLY = struct.Struct(
 )  # GET reply, per key: region offset, payload bytes (0: miss), header bytes
 HELLO, GET, RELEASE, PUT = 1, 2, 3, 4
 OK, UNAUTHENTICATED, BAD_REQUEST, BUSY = 0, 1, 2, 3
+# A GET reply's offset for a key the region had no room for (its size is 0): load it another
+# way. A miss is offset 0, size 0.
+FULL = (1 << 64) - 1
 MAX_KEYS = 4096  # keys in one GET
 MAX_BODY = 64 * 1024  # request bodies: a token or at most MAX_KEYS keys/offsets
 

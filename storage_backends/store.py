@@ -194,6 +194,12 @@ class TieredStore(Tier):
         return ok
 
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
+        return (await self.get_from(key, ns, out))[0]
+
+    async def get_from(
+        self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None
+    ) -> tuple[KVSegment | None, str]:
+        """get, and the name of the tier that answered ("" on a miss)."""
         check_namespace(ns)
         check_key(key)
         for i, tier in enumerate(self.tiers):
@@ -202,16 +208,16 @@ class TieredStore(Tier):
                 if self.config.promote and i:
                     await self._promote(key, seg, ns, i, out)
                 self._stats.hits += 1
-                return seg
-        moving = self._moving.get((ns, key), (None,))[0]  # between two tiers right now: still a hit
+                return seg, tier.name
+        moving = self._moving.get((ns, key))  # between two tiers right now: still a hit
         if moving is not None:
-            seg = moving if out is None else copy_into(moving, out)
+            seg = moving[0] if out is None else copy_into(moving[0], out)
             if self.config.promote and await self.tiers[0].put(key, seg, ns):
                 self._stats.promoted += 1
             self._stats.hits += 1
-            return seg
+            return seg, self.tiers[moving[1]].name
         self._stats.misses += 1
-        return None
+        return None, ""
 
     async def _promote(self, key: bytes, seg: KVSegment, ns: str, i: int, out) -> None:
         """Copy a hit in tiers[i] into the faster tiers: queued, so that the load does not wait

@@ -190,10 +190,16 @@ def test_puts_over_the_data_plane_store_the_segment(server, shared_memory: bool)
         t = DataTier(target=server.target, token="alpha-token", shared_memory=shared_memory)
         grpc_tier = RemoteTier(target=server.target, token="alpha-token")
         seg = segment(bytes([40 + shared_memory]) * 16, 9)
+        before = await grpc_tier.server_stats()
         assert await t.put(seg.key, seg)
         assert t._session is not None and (t._session.region is not None) == shared_memory
         got = await grpc_tier.get(seg.key)  # stored as it was sent, read back another way
         assert got is not None and torch.equal(got.payload, seg.payload)
+        assert await t.get(seg.key) is not None and await t.get(b"\x55" * 16) is None
+        after = await grpc_tier.server_stats()  # data plane calls count as gRPC ones do
+        assert before is not None and after is not None
+        assert (after.puts - before.puts, after.gets - before.gets) == (1, 3)
+        assert after.bytes_in - before.bytes_in == seg.nbytes
         assert t.stats().errors == 0
         await t.close()
         await grpc_tier.close()
