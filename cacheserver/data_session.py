@@ -31,7 +31,7 @@ from tierkv.cacheserver.shm import (
     recv_exactly,
     recv_into,
 )
-from tierkv.storage_backends.buffers import copy_bytes, copy_into, out_view
+from tierkv.storage_backends.buffers import copy_into, out_view
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment, SegmentError
@@ -161,7 +161,9 @@ class Session:
         )
         if into is None:  # a device tensor: the caller's gRPC path copies into it
             raise Elsewhere("out is on a device")
-        copy_bytes(into, memoryview(self.region.map)[off : off + size])
+        # One memcpy on this thread: torch's threaded copy stalls whenever another process
+        # (or the engine's own forward) holds the cores its threads wait for.
+        into[:] = memoryview(self.region.map)[off : off + size]
         copied("shm.copy_out", size)
         seg = KVSegment.from_raw(h, into, verify=True)
         return seg, seg.nbytes

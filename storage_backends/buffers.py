@@ -100,20 +100,3 @@ def with_payload(seg: KVSegment, payload: torch.Tensor) -> KVSegment:
         payload,
         seg.checksums,
     )
-
-
-BIG_COPY = 1 << 20  # from this size on, torch copies (on all its threads) beat one memcpy
-
-
-def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src, for byte views of equal length; a large copy runs on torch's threads. For
-    a copy nothing else runs beside (a client waiting for its data): where it overlaps other
-    work (a server streaming while its client receives) the threads only take that work's
-    cores."""
-    if len(src) < BIG_COPY or src.readonly:  # torch views only writable buffers
-        dst[:] = src
-        return
-    n = len(src)
-    torch.frombuffer(dst, dtype=torch.uint8, count=n).copy_(
-        torch.frombuffer(src, dtype=torch.uint8, count=n)
-    )

@@ -107,7 +107,7 @@ class CpuTier(IndexedTier[CpuEntry]):
 
     def _copy(self, entry: CpuEntry) -> KVSegment:
         """A verified copy of the whole encoded segment, owned by the caller."""
-        buf = memoryview(bytearray(entry.header.nbytes))
+        buf = torch.empty(entry.header.nbytes, dtype=torch.uint8).numpy().data  # not zeroed
         self._gather(entry, 0, len(buf), buf)
         return KVSegment.from_parts(entry.header, buf, verify=self.config.verify_gets)
 
