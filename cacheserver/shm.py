@@ -153,8 +153,18 @@ def pack(code: int, count: int, body: bytes = b"") -> bytes:
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytes:
     """n bytes from a non-blocking socket; EOFError when it closes first."""
+    try:  # most messages are already there: no future, no loop round
+        first = sock.recv(n)
+    except (BlockingIOError, InterruptedError):
+        first = b""
+    else:
+        if not first and n:
+            raise EOFError("connection closed")
+    if len(first) == n:
+        return first
     buf = bytearray(n)
-    await recv_into(sock, memoryview(buf))
+    buf[: len(first)] = first
+    await recv_into(sock, memoryview(buf)[len(first) :])
     return bytes(buf)
 
 
@@ -163,7 +173,10 @@ async def recv_into(sock: socket.socket, view: memoryview) -> None:
     first."""
     loop, got, n = asyncio.get_running_loop(), 0, len(view)
     while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
+        try:
+            k = sock.recv_into(view[got:])
+        except (BlockingIOError, InterruptedError):
+            k = await loop.sock_recv_into(sock, view[got:])
         if k == 0:
             raise EOFError("connection closed")
         got += k
