@@ -4,6 +4,7 @@ A or B). Each command is answered by one stdout line starting with REPLY.
   {"op": "generate", "prompts": [[ids...]], "max_tokens": N, "cold": false}
       -> {"tokens": [[ids...]]}  (greedy; cold: vLLM reads no cached KV, local or tierkv)
   {"op": "reset"}  -> vLLM's prefix cache emptied
+  {"op": "counters"} -> vLLM's own counters ({"vllm:num_preemptions": ...})
   {"op": "quit"}   -> the engine shuts down (its saves drained), then the process exits
 
 argv: model dir, dtype, kv_connector_extra_config as JSON, then optional engine knobs as JSON.
@@ -44,6 +45,7 @@ def main() -> None:
         kv_transfer_config=ktc,
         enforce_eager=True,
         seed=0,
+        disable_log_stats=False,
         **knobs,
     )
     print(REPLY + json.dumps({"ready": True}), flush=True)
@@ -51,6 +53,10 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
+        if cmd["op"] == "counters":
+            got = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+            print(REPLY + json.dumps(got), flush=True)
+            continue
         if cmd["op"] == "reset":
             llm.reset_prefix_cache()
             print(REPLY + json.dumps({"ok": True}), flush=True)

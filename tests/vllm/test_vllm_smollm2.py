@@ -1,0 +1,78 @@
+"""SmolLM2-135M-Instruct (the GGUF pulled once into the model cache, saved as an HF safetensors
+checkpoint for vLLM) with tierkv.vllm and a real tierkv-server: chat prompts sharing a system
+prompt are answered cold and saved, then answered again from the server with the same greedy
+tokens. fp32."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.services import ServerProcess
+from tests.vllm.harness import Engine
+
+SYSTEM = (
+    "You are the help desk of a public library. Answer every question in one short, plain "
+    "sentence. If a question is about the library's rules, say that the rules are posted at "
+    "the front desk. Never invent facts, and do not use lists or markdown in your answers."
+)
+QUESTIONS = ["What is the capital of France?", "How many days are in a week?"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """The checkpoint directory and the chat prompts as token ids."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from tierkv.engine.models import pull
+
+    gguf = pull("smollm2", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    path = tmp_path_factory.mktemp("smollm2-hf")
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)  # the weights are dequantized now
+    (path / "config.json").write_text(json.dumps(cfg))
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(path)
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        for q in QUESTIONS
+    ]
+    return path, [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    s = ServerProcess().start()
+    yield s
+    s.stop(kill=True)
+
+
+def test_smollm2_answers_from_the_server_equal_cold(smollm2, server: ServerProcess) -> None:
+    path, prompts = smollm2
+    extra = {"remote": f"grpc://{server.target}", "chunk_size": 32, "cpu_bytes": 0}
+    e = Engine(path, extra, knobs={"skip_tokenizer_init": False, "max_model_len": 1024}).start()
+    try:
+        cold = e.generate(prompts, max_tokens=24, cold=True)
+        m = e.metrics()
+        assert m["saved_chunks"] >= 2 * (len(prompts[0]) // 32)
+        e.reset()
+        assert e.generate(prompts, max_tokens=24) == cold
+        d = e.metrics()
+        assert d["loaded_tokens"] - m["loaded_tokens"] == sum(len(p) - 1 for p in prompts)
+        assert d["recomputed_tokens"] == 0
+    finally:
+        e.close()
