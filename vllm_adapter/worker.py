@@ -119,6 +119,7 @@ class WorkerSide:
         self.job: LoadJob | None = None
         self.staged: list[SavePlan] = []
         self.lock = threading.Lock()
+        self.saved = threading.Condition(self.lock)  # notified whenever a put ends
         self.pending = 0  # staged chunks not yet put
         self.outstanding: Counter[str] = Counter()  # per request: saves not yet put
         self.had_saves: set[str] = set()  # requests the scheduler holds blocks for
@@ -225,13 +226,20 @@ class WorkerSide:
         with self.lock:
             self.pending -= 1
             self.outstanding[plan.request_id] -= 1
+            self.saved.notify_all()
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests whose blocks vLLM may free now: finished, every save of theirs put."""
+        """Requests whose blocks vLLM may free now: finished, every save of theirs put. vLLM
+        names a finished request once, in the step after it ended, and may idle after that
+        step: so this waits (at most load_timeout_s) for the puts of the requests it names
+        now, and their blocks go back in this step unless a put is slower than that."""
         with self.lock:
-            for rid in finished_req_ids & self.had_saves:
-                self.had_saves.discard(rid)
-                self.closing.add(rid)
+            new = finished_req_ids & self.had_saves
+            self.had_saves -= new
+            self.closing |= new
+            self.saved.wait_for(
+                lambda: all(self.outstanding[r] <= 0 for r in new), self.load_timeout_s
+            )
             done = {rid for rid in self.closing if self.outstanding[rid] <= 0}
             self.closing -= done
             for rid in done:

@@ -58,8 +58,13 @@ def main() -> None:
             print(REPLY + json.dumps(got), flush=True)
             continue
         if cmd["op"] == "reset":
-            llm.reset_prefix_cache()
-            print(REPLY + json.dumps({"ok": True}), flush=True)
+            # Blocks held for saves go back in the step after their request ended; offline and
+            # in-process, vLLM takes that step with the next request only: take it here.
+            ok, steps = llm.reset_prefix_cache(), 0
+            while not ok and steps < 50:
+                llm.llm_engine.step()
+                ok, steps = llm.reset_prefix_cache(), steps + 1
+            print(REPLY + json.dumps({"ok": ok, "steps": steps}), flush=True)
             continue
         params = SamplingParams(
             temperature=0.0,

@@ -24,6 +24,7 @@ ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
 
@@ -93,6 +94,7 @@ class Engine:
         for line in self.proc.stdout:
             if line.startswith("REPLY "):
                 return json.loads(line[6:])
+            self._err.write(line)  # vLLM's own output, kept with its log
             if time.monotonic() > deadline:
                 break
         raise RuntimeError(f"vLLM engine gave no reply; its log:\n{self.tail()}")
@@ -112,7 +114,7 @@ class Engine:
         )["tokens"]
 
     def reset(self) -> None:
-        self.send({"op": "reset"})
+        assert self.send({"op": "reset"})["ok"], "vLLM's prefix cache could not be reset"
 
     def metrics(self) -> dict[str, float]:
         """The worker's tierkv_connector_* counters (Prometheus text format)."""
@@ -124,6 +126,18 @@ class Engine:
                 name, value = line.rsplit(" ", 1)
                 out[name.removeprefix("tierkv_connector_").removesuffix("_total")] = float(value)
         return out
+
+    def wait_saved(self, chunks: int, since: dict[str, float] | None = None) -> None:
+        """Until `chunks` saves (put or found stored) have ended since `since` (puts run in
+        the background)."""
+        since, deadline = since or {}, time.monotonic() + 60
+        while True:
+            m = self.metrics()
+            done = sum(m.get(k, 0) - since.get(k, 0) for k in ("saved_chunks", "save_skipped"))
+            if done >= chunks:
+                return
+            assert time.monotonic() < deadline, f"saves did not finish: {m}"
+            time.sleep(0.1)
 
     def close(self, timeout: float = 120.0) -> None:
         if self.proc is None:

@@ -51,7 +51,7 @@ def cold_a(server: ServerProcess, tiny: Path) -> list[list[int]]:
     a = Engine(tiny, extra(server, "tok-a-123456")).start()
     try:
         out = a.generate([P1, P2])
-        assert a.metrics()["saved_chunks"] >= 5 + 4 - 0  # P1: 4 full + 1 partial; P2: 3 + 1
+        a.wait_saved(5 + 4)  # P1: 4 full chunks + 1 partial; P2: 3 + 1
     finally:
         a.close()
     return out
@@ -74,11 +74,21 @@ def segment_files(server: ServerProcess, ns: str = "team-a") -> dict[Path, KVSeg
     return {f: KVSegment.decode(f.read_bytes(), verify=False) for f in sorted(d.glob("*.tkv"))}
 
 
-def file_of(server: ServerProcess, tokens: list[int]) -> Path:
-    for f, seg in segment_files(server).items():
-        if seg.tokens.tolist() == tokens:
-            return f
+def file_of(server: ServerProcess, tokens: list[int], timeout: float = 60) -> Path:
+    """The server's file of the segment with these tokens (saves land in the background)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for f, seg in segment_files(server).items():
+            if seg.tokens.tolist() == tokens:
+                return f
+        time.sleep(0.1)
     raise AssertionError("no stored segment holds these tokens")
+
+
+def stored(server: ServerProcess, s: list[int]) -> None:
+    """Wait until the server holds every chunk of s (the last one partial)."""
+    for a in range(0, len(s), CHUNK):
+        file_of(server, s[a : a + CHUNK])
 
 
 async def replace(server: ServerProcess, seg: KVSegment) -> None:
@@ -88,15 +98,6 @@ async def replace(server: ServerProcess, seg: KVSegment) -> None:
         assert await tier.put(seg.key, seg)
     finally:
         await tier.close()
-
-
-def wait_saved(e: Engine, before: dict[str, float], chunks: int) -> None:
-    deadline = time.monotonic() + 60
-    while (
-        delta(e, before).get("saved_chunks", 0) + delta(e, before).get("save_skipped", 0) < chunks
-    ):
-        assert time.monotonic() < deadline, "saves did not finish"
-        time.sleep(0.2)
 
 
 def test_second_process_loads_what_the_first_saved(b: Engine, cold_a) -> None:
@@ -123,7 +124,7 @@ def test_flipped_byte_is_recomputed(b: Engine, server: ServerProcess) -> None:
     s = prompt(200, 4)
     m = b.metrics()
     cold = b.generate([s], cold=True)  # B computes s and saves its 4 chunks
-    wait_saved(b, m, 4)
+    stored(server, s)
     f = file_of(server, s[CHUNK : 2 * CHUNK])
     data = bytearray(f.read_bytes())
     data[-7] ^= 0x40  # inside the payload's last layer
@@ -140,7 +141,7 @@ def test_segment_of_another_model_is_refused(b: Engine, server: ServerProcess) -
     s = prompt(200, 5)
     m = b.metrics()
     cold = b.generate([s], cold=True)
-    wait_saved(b, m, 4)
+    stored(server, s)
     f = file_of(server, s[:CHUNK])
     seg = KVSegment.decode(f.read_bytes())
     other = KVSegment.from_tensor(
