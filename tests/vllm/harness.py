@@ -49,6 +49,29 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
+def smollm2_checkpoint(path: Path) -> tuple[Path, Any]:
+    """SmolLM2-135M-Instruct (its GGUF pulled once into the model cache, dequantized by
+    transformers) saved as an HF safetensors checkpoint with its tokenizer; and the tokenizer."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from tierkv.engine.models import pull
+
+    gguf = pull("smollm2", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)  # the weights are dequantized now
+    (path / "config.json").write_text(json.dumps(cfg))
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(path)
+    return path, tok
+
+
 @dataclass
 class Engine:
     """One vLLM process with tierkv.vllm (extra: kv_connector_extra_config; None: no

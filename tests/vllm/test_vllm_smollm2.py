@@ -5,14 +5,13 @@ tokens. fp32."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.services import ServerProcess
-from tests.vllm.harness import Engine
+from tests.vllm.harness import Engine, smollm2_checkpoint
 
 SYSTEM = (
     "You are the help desk of a public library. Answer every question in one short, plain "
@@ -25,24 +24,7 @@ QUESTIONS = ["What is the capital of France?", "How many days are in a week?"]
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
     """The checkpoint directory and the chat prompts as token ids."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from tierkv.engine.models import pull
-
-    gguf = pull("smollm2", progress=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    path = tmp_path_factory.mktemp("smollm2-hf")
-    weights = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf.config.to_dict()
-    cfg.pop("quantization_config", None)  # the weights are dequantized now
-    (path / "config.json").write_text(json.dumps(cfg))
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tok.save_pretrained(path)
+    path, tok = smollm2_checkpoint(tmp_path_factory.mktemp("smollm2-hf"))
     texts = [
         tok.apply_chat_template(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
