@@ -149,6 +149,11 @@ class TierKVConnector(KVConnectorBase_V1):
         return None if side is None else self.reporter.delta(side.stats)
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads and saves run Python between layers: no whole-model CUDA graph."""
+        return True
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return TierKVStats(dict(data or {}))
 
