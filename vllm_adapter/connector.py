@@ -1,0 +1,201 @@
+"""TierKVConnector: vLLM v1's KVConnectorBase_V1 over tierkv's keys, segments and tiers.
+
+Safety contract (what vLLM may rely on):
+- A load never fails a request and never injects unverified KV: a miss, a tier fault, a
+  timeout or a segment whose checksum, key, parent, tokens or fingerprint do not match leaves
+  the blocks from the first undelivered token to vLLM's load-failure path
+  (`get_block_ids_with_load_errors`, with `kv_load_failure_policy="recompute"`, which this
+  connector sets), and vLLM recomputes them.
+- Loads are synchronous to the step and layer-wise: `wait_for_layer_load(layer)` returns once
+  that layer's KV is in the blocks, or its load was given up.
+- `save_kv_layer` copies the step's new prompt chunks out of the blocks before it returns; the
+  puts run in the background. `request_finished` returns True for a request with saves, and
+  `get_finished` names it once every put of it has ended: its blocks are held until then.
+- Keys are salted with vLLM as the engine, the model's KV-shaping config, its dtype, a digest
+  of its weight files, the chunk size and the namespace: KV of another model, dtype, engine or
+  tenant never loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tierkv.connector.loop import LoopThread
+from tierkv.storage_backends.keys import ChunkHasher
+from tierkv.vllm.config import connector_config, salt
+from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
+from tierkv.vllm.stats import Reporter, TierKVStats
+from tierkv.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+log = logging.getLogger("tierkv.vllm")
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """tierkv for vLLM; kv_connector_extra_config holds ConnectorConfig's knobs."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = connector_config(self._kv_transfer_config.kv_connector_extra_config)
+        if cfg.remote is None:
+            raise ValueError(
+                "tierkv.vllm needs remote= (a tierkv-server or Redis): vLLM's scheduler and "
+                "worker are separate processes, and only a shared tier tells the scheduler "
+                "what the worker stored"
+            )
+        self.config, self.salt = cfg, salt(vllm_config, cfg)
+        self.hasher = ChunkHasher(self.salt)
+        self.loop = LoopThread("tierkv-vllm")
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.reporter = Reporter()
+        if role == KVConnectorRole.SCHEDULER:
+            # The shared tier alone: the worker's local tiers live in its own process.
+            shared = dataclasses.replace(cfg, gpu_bytes=0, cpu_bytes=0, disk_dir=None)
+            store = self.loop.run(_build(shared))
+            self.sched = SchedulerSide(
+                self.loop,
+                store,
+                self.hasher,
+                cfg.namespace,
+                cfg.save_partial_chunks,
+                cfg.save,
+                cfg.lookup_timeout_s,
+            )
+            # A failed load is recomputed, never a failed request (vLLM's default is "fail").
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        else:
+            store = self.loop.run(_build(cfg))
+            self.worker = WorkerSide(
+                self.loop,
+                store,
+                cfg.namespace,
+                self.salt.fingerprint(),
+                cfg.codec,
+                cfg.max_pending_saves,
+                cfg.load_timeout_s,
+            )
+            if cfg.metrics_port:
+                from tierkv.connector.metrics import serve_metrics
+
+                serve_metrics(self.worker, cfg.metrics_port)
+
+    # -- worker side -----------------------------------------------------------------------
+    def _w(self) -> WorkerSide:
+        if self.worker is None:
+            raise RuntimeError("a worker-side hook called on the scheduler's connector")
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Once at start: the layout is found from the tensors' shapes; the CPU backend's K
+        packing is measured with its own writer on a scratch block."""
+        mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
+        layers = self._vllm_config.compilation_config.static_forward_context
+
+        def write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Any) -> None:
+            layer = layers[next(iter(kv_caches))]
+            layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+
+        self._w().register(kv_caches, mc.get_num_kv_heads(pc), mc.get_head_size(), write)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, TierKVMetadata):
+            self._w().bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start this step's loads on the connector's thread; returns at once."""
+        meta = self._get_connector_metadata()
+        if isinstance(meta, TierKVMetadata):
+            self._w().start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this layer's loads are in the blocks (or were given up)."""
+        self._w().wait_layer(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Copy this layer's tokens of the step's new prompt chunks into their staging."""
+        self._w().save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        """Hand the step's staged chunks to the background puts."""
+        self._w().submit_saves()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        done = self._w().finished(finished_req_ids)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks from the first token each of this step's loads did not deliver."""
+        return self._w().load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Counters changed since the last call: loads and saves from the worker, lookups
+        from the scheduler (vLLM asks both sides)."""
+        side = self.worker if self.worker is not None else self.sched
+        return None if side is None else self.reporter.delta(side.stats)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads and saves run Python between layers: no whole-model CUDA graph."""
+        return True
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return TierKVStats(dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Put every staged save, drain the write-through to the shared tier, close."""
+        try:
+            if self.worker is not None:
+                self.worker.flush()
+                self.loop.run(self.worker.store.close(), 30)
+            elif self.sched is not None:
+                self.loop.run(self.sched.store.close(), 30)
+        except Exception as e:
+            log.warning("tierkv.vllm shutdown: %r", e)
+        finally:
+            self.loop.close()
+
+    # -- scheduler side --------------------------------------------------------------------
+    def _s(self) -> SchedulerSide:
+        if self.sched is None:
+            raise RuntimeError("a scheduler-side hook called on a worker's connector")
+        return self.sched
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Prompt tokens past the local hit that the shared tier holds (loaded in-step)."""
+        return self._s().matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._s().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._s().build_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """True while the request's saves are in flight: vLLM frees its blocks once
+        get_finished names it."""
+        return self._s().finished(request), None
+
+
+async def _build(cfg: Any) -> Any:
+    return cfg.build_store()

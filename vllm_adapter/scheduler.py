@@ -1,0 +1,166 @@
+"""Scheduler side: vLLM's requests and scheduler output -> tierkv's chunk keys, lookups and the
+per-step metadata the worker acts on.
+
+vLLM runs its scheduler and its worker in different processes (on the CPU platform always),
+so this side looks up the shared tier only; the worker's local tiers are a cache in front of
+it. The metadata holds plain data (ids, keys, tokens): the worker makes its own buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from tierkv.connector.loop import LoopThread
+from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState
+from tierkv.connector.requests import prefix_chunks, record_lookup
+from tierkv.storage_backends.keys import ChunkHasher
+from tierkv.storage_backends.store import TieredStore
+
+log = logging.getLogger("tierkv.vllm")
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Save chunk of request_id, whose tokens lie in block_ids, after this step's forward."""
+
+    request_id: str
+    block_ids: torch.Tensor  # int32, the request's whole block table
+    chunk: Chunk
+    tokens: np.ndarray
+
+
+@dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    """One step's work for the worker: loads before the layers read, saves after they write."""
+
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Tracked:
+    """A request from its first lookup to request_finished."""
+
+    state: RequestState
+    lookup_from: int = 0  # the local hit the last lookup was asked after
+    block_ids: list[int] = field(default_factory=list)
+    saving: bool = False  # a save was planned: its blocks are held until the worker reports it
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        loop: LoopThread,
+        store: TieredStore,
+        hasher: ChunkHasher,
+        namespace: str,
+        partial: bool,
+        save: bool,
+        lookup_timeout_s: float,
+    ) -> None:
+        self.loop, self.store, self.hasher, self.ns = loop, store, hasher, namespace
+        self.partial, self.save, self.lookup_timeout_s = partial, save, lookup_timeout_s
+        self.stats = ConnectorStats()
+        self.tracked: dict[str, Tracked] = {}
+        self.pending_loads: list[LoadPlan] = []
+
+    def _track(self, request: Any) -> Tracked:
+        tr = self.tracked.get(request.request_id)
+        if tr is None:
+            tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int32)
+            chunks = prefix_chunks(self.hasher, tokens, self.partial)
+            tr = Tracked(RequestState(chunks, tokens, prefix_chunks=len(chunks)))
+            self.tracked[request.request_id] = tr
+        return tr
+
+    def matched(self, request: Any, num_computed_tokens: int) -> int:
+        """Prompt tokens after num_computed_tokens whose chunks the shared tier holds (never
+        the last prompt token)."""
+        tr = self._track(request)
+        st = tr.state
+        tr.lookup_from = num_computed_tokens
+        if not st.chunks:
+            return 0
+        self.stats.lookups += 1
+        try:
+            where = self.loop.run(
+                self.store.locate([c.key for c in st.chunks], self.ns), self.lookup_timeout_s
+            )
+        except Exception as e:  # a slow or failing store is a miss
+            log.warning("tierkv lookup failed (%r): miss", e)
+            where = [None] * len(st.chunks)
+        names = [self.store.tiers[w].name if w is not None else None for w in where]
+        new = record_lookup(st, names, num_computed_tokens, False)
+        self.stats.lookup_hit_tokens += new
+        return new
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        tr = self._track(request)
+        st, start = tr.state, tr.lookup_from
+        end = start + num_external_tokens
+        idx = [i for i, c in enumerate(st.chunks[: st.present]) if c.end > start and c.start < end]
+        self.pending_loads.append(
+            LoadPlan(
+                request.request_id,
+                torch.tensor(block_ids, dtype=torch.int32),
+                start,
+                end,
+                [st.chunks[i] for i in idx],
+                [st.tiers[i] for i in idx],
+                st.tokens,
+            )
+        )
+
+    def build_meta(self, so: Any) -> TierKVMetadata:
+        meta = TierKVMetadata(self.pending_loads, [])
+        self.pending_loads = []
+        for new in so.scheduled_new_reqs:
+            tr = self.tracked.get(new.req_id)
+            if tr is not None:
+                tr.block_ids = list(new.block_ids[0])
+                self._plan_saves(new.req_id, tr, new.num_computed_tokens, so, meta)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tr = self.tracked.get(rid)
+            if tr is None:
+                continue
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:  # after a preemption: a new block table
+                tr.block_ids = list(blocks[0]) if blocks else []
+            elif blocks:
+                tr.block_ids.extend(blocks[0])
+            self._plan_saves(rid, tr, cached.num_computed_tokens[i], so, meta)
+        return meta
+
+    def _plan_saves(
+        self, rid: str, tr: Tracked, computed: int, so: Any, meta: TierKVMetadata
+    ) -> None:
+        """The prompt chunks this step completes, unless the store had them or they were
+        computed before the connector saw the request."""
+        st = tr.state
+        if not self.save or computed >= len(st.tokens):
+            return
+        stop, blocks = computed + so.num_scheduled_tokens.get(rid, 0), None
+        while st.saved_upto < len(st.chunks) and st.chunks[st.saved_upto].end <= stop:
+            c = st.chunks[st.saved_upto]
+            st.saved_upto += 1
+            if c.index < st.present or c.end <= computed:
+                self.stats.save_skipped += 1
+                continue
+            if blocks is None:
+                blocks = torch.tensor(tr.block_ids, dtype=torch.int32)
+            meta.saves.append(SaveSpec(rid, blocks, c, st.tokens[c.start : c.end]))
+            tr.saving = True
+
+    def finished(self, request: Any) -> bool:
+        """True: hold the request's blocks until the worker reports its saves done."""
+        tr = self.tracked.pop(request.request_id, None)
+        return tr is not None and tr.saving
