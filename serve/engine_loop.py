@@ -99,7 +99,8 @@ class EngineLoop:
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         while not self.stopping:
-            self._drain_inbox()
+            if self._drain_inbox():
+                self._publish()  # a stopped sample finished without a step
             if not self.llm.scheduler.has_work():
                 self._snapshot()
                 self.wake.wait(self.idle_wait_s)
@@ -115,12 +116,15 @@ class EngineLoop:
             self._publish()
             self._snapshot()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Run the queued commands; True if there were any."""
+        got = False
         while True:
             try:
                 what, job, index = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return got
+            got = True
             if what == "add":
                 self._add(job)
             elif what == "abort" and job.group in self.jobs:
