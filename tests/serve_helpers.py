@@ -85,16 +85,16 @@ class ThreadServer:
 class ServeProcess:
     """`tierkv-engine serve` as a subprocess; its output in a log file."""
 
-    def __init__(self, model: Path, *args: str) -> None:
+    def __init__(self, *args: str) -> None:
+        """args: the serve flags, the model's included (--model PATH or --random-config)."""
         self.port = free_port()
         self.log = Path(tempfile.mkdtemp(prefix="tierkv-serve-")) / "serve.log"
         cmd = [
             sys.executable,
+            "-P",  # not the repository's folders (kernels/ would shadow HF's `kernels`)
             "-m",
             "tierkv.engine.cli",
             "serve",
-            "--model",
-            str(model),
             "--port",
             str(self.port),
             "--served-model-name",

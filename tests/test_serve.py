@@ -340,3 +340,23 @@ def test_cli_serve_parses(tmp_path: Path) -> None:
     args = build_parser().parse_args(["serve", "--model", "m", "--api-key", "k", "--port", "9"])
     cfg = config_of(args)
     assert (cfg.host, cfg.port, cfg.api_key, cfg.model_name) == ("127.0.0.1", 9, "k", "m")
+
+
+def test_compose_runs_two_replicas_on_the_server() -> None:
+    import yaml
+
+    from tierkv.engine.cli import build_parser
+
+    root = Path(__file__).resolve().parent.parent
+    services = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
+    port = services["tierkv-server"]["environment"]["TIERKV_PORT"]
+    published = set()
+    for name in ("serve-a", "serve-b"):
+        svc = services[name]
+        args = build_parser().parse_args(svc["command"])
+        assert svc["entrypoint"] == ["tierkv-engine"] and args.cmd == "serve"
+        assert args.cache_server == f"grpc://tierkv-server:{port}" and args.host == "0.0.0.0"
+        assert all(p.startswith("127.0.0.1:") for p in svc["ports"])
+        published |= set(svc["ports"])
+    assert len(published) == 2
+    assert "COPY serve serve" in (root / "Dockerfile").read_text()

@@ -58,7 +58,8 @@ def test_conversation_moves_to_the_other_replica(ckpt: Path) -> None:
         "--kv-cache-bytes",
         str(8 << 20),
     ]
-    a, b = ServeProcess(ckpt, *flags), ServeProcess(ckpt, *flags)
+    flags = ["--model", str(ckpt), *flags]
+    a, b = ServeProcess(*flags), ServeProcess(*flags)
     try:
         a.wait(), b.wait()
         ca, cb = (openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0) for r in (a, b))
