@@ -149,7 +149,7 @@ class EngineLoop:
                     self._publish()
             job.group = llm._next_id  # the first sequence's id: unique for the engine's life
             seq = llm.add_request(job.group, prompt, job.params)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:  # a bad prompt, or documents that cannot fit
             self._reply(job, [Update(job.base, [], [], "error", error=str(e))])
             self._release()
             return
