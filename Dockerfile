@@ -15,6 +15,7 @@ COPY cacheserver cacheserver
 COPY kernels kernels
 COPY engine engine
 COPY connector connector
+COPY serve serve
 RUN pip install .
 
 RUN useradd --system --uid 10001 tierkv && mkdir -p /var/cache/tierkv && chown tierkv /var/cache/tierkv

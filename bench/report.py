@@ -17,8 +17,8 @@ from bench.common import RESULTS
 
 OUT = RESULTS.parent.parent / "docs" / "benchmarks.md"
 # Benchmarks in the order the page shows them; any other result follows, by name.
-ORDER = ("tiers", "server", "kernels", "engine", "engine_fp32", "ttft", "blend", "soak")
-COMMANDS = ("tiers", "server", "kernels", "engine", "ttft", "blend", "soak")
+ORDER = ("tiers", "server", "kernels", "engine", "engine_fp32", "ttft", "blend", "soak", "serve")
+COMMANDS = ("tiers", "server", "kernels", "engine", "ttft", "blend", "soak", "serve")
 # CPU flags that decide kernel speed (x86 SIMD and AMX, Arm SIMD), in the order printed.
 SIMD = "avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16 amx_tile amx_bf16 amx_int8 asimd sve"
 INTRO = (

@@ -132,18 +132,23 @@ class TierKVConnector(KVConnector):
     def _state(self, request: Any) -> RequestState:
         st = self.states.get(request.request_id)
         if st is None:
+            salt = getattr(getattr(request, "params", None), "cache_salt", None)
             st = self.states[request.request_id] = request_state(
-                request, self.hasher, self.config.save_partial_chunks
+                request, self.hasher.salted(salt), self.config.save_partial_chunks
             )
         return st
 
     def lookup_segments(
-        self, segments: list[list[int]], prefix: list[int] | None = None
+        self,
+        segments: list[list[int]],
+        prefix: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[bool]:
         """Whether the store holds each segment's KV, computed standalone or, given prefix, right
-        after that declared shared prefix (one batched lookup)."""
-        after = self.hasher.prefix_key(np.asarray(prefix, dtype=np.int32)) if prefix else None
-        keys = [self.hasher.segment_key(np.asarray(t, dtype=np.int32), after) for t in segments]
+        after that declared shared prefix (one batched lookup), under cache_salt's keys."""
+        hasher = self.hasher.salted(cache_salt)
+        after = hasher.prefix_key(np.asarray(prefix, dtype=np.int32)) if prefix else None
+        keys = [hasher.segment_key(np.asarray(t, dtype=np.int32), after) for t in segments]
         try:
             return self.loop.run(self.store.contains(keys, self.ns), self.config.lookup_timeout_s)
         except Exception as e:

@@ -9,9 +9,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+import xxhash
+
 from tierkv.engine.invariants import invariant
 from tierkv.engine.radix import RadixTree
 from tierkv.engine.sequence import Sequence
+
+
+def tree_key(seq: Sequence, n: int) -> list[int]:
+    """The prefix cache's key for seq's first n tokens. A cache_salt replaces the first token
+    by a negative number (token ids are >= 0) drawn from the salt and that token: the whole
+    chain under it is then shared only by requests with the same salt."""
+    key = seq.token_ids[:n]
+    salt = seq.params.cache_salt
+    if salt is not None and key:
+        digest = xxhash.xxh3_64_intdigest(f"{salt}\x00{key[0]}".encode())
+        key = [-1 - (digest >> 1), *key[1:]]
+    return key
 
 
 class BlockManager:
@@ -70,7 +84,7 @@ class BlockManager:
         if self.tree is None or seq.block_table:
             return 0
         n = len(seq) - 1 if limit is None else min(len(seq) - 1, limit)
-        blocks, node = self.tree.match(seq.token_ids[:n])
+        blocks, node = self.tree.match(tree_key(seq, n))
         self.tree.lock(node)
         seq.lock = node
         for b in blocks:
@@ -102,7 +116,7 @@ class BlockManager:
         n = seq.num_computed_tokens // self.block_size
         if self.tree is None or n <= seq.num_indexed_blocks:
             return
-        node, adopted = self.tree.insert(seq.token_ids[: n * self.block_size], seq.block_table[:n])
+        node, adopted = self.tree.insert(tree_key(seq, n * self.block_size), seq.block_table[:n])
         for b in adopted:
             self.ref[b] += 1
         self.tree.lock(node)

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ch.add_argument("--system", dest="system_prompt", help="the system message")
     ch.add_argument("--message", help="one user message: print the reply and exit")
+    sv = sub.add_parser(
+        "serve", parents=[common], help="serve the OpenAI API over HTTP (see docs/serve.md)"
+    )
+    from tierkv.serve.cli import add_serve_options
+
+    add_serve_options(sv)
     pl = sub.add_parser("pull", help="fetch a named model into the model cache")
     pl.add_argument("name", choices=sorted(MODELS))
     pl.add_argument("--dir", default=None, help="cache directory (default $TIERKV_MODEL_DIR)")
@@ -119,7 +125,8 @@ def make_connector(args):
         TierKVConnector,
     )  # the engine runs without it otherwise
 
-    remote = f"grpc://{args.cache_server}" if args.cache_server else args.remote
+    server = args.cache_server
+    remote = (server if "://" in server else f"grpc://{server}") if server else args.remote
     return TierKVConnector(
         ConnectorConfig(
             chunk_size=args.chunk_size,
@@ -226,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "chat":
             chat(llm, args)
             return 0
+        if args.cmd == "serve":
+            from tierkv.serve.cli import run
+
+            return run(args, llm, conn)
         outs = llm.generate(prompts, sampling(args), use_tqdm=False)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

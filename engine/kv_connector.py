@@ -95,10 +95,13 @@ class KVConnector(ABC):
 
     # any-position reuse (CacheBlend); the defaults mean "not supported"
     def lookup_segments(
-        self, segments: list[list[int]], prefix: list[int] | None = None
+        self,
+        segments: list[list[int]],
+        prefix: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[bool] | None:
         """Whether the store holds each segment's KV, computed standalone or right after the
-        declared shared prefix; None: no segment support."""
+        declared shared prefix, under cache_salt's keys; None: no segment support."""
         return None
 
     def get_num_prefix_tokens(self, request: Any) -> int:

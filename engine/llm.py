@@ -82,6 +82,14 @@ class RequestOutput:
         return self.outputs[0].metrics
 
 
+def token_logprobs(row: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's (unscaled) log-probability of token, and its k most likely tokens."""
+    lp = row.float().log_softmax(-1)
+    top = lp.topk(k) if k else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return float(lp[token]), pairs
+
+
 class LLM:
     def __init__(
         self,
@@ -185,19 +193,27 @@ class LLM:
         )
         return BlendParams(ratio, layer, c.blend_metric, c.blend_gradual)
 
-    def ingest(self, segments: list[list[int]], prefix: list[int] | None = None) -> int:
+    def ingest(
+        self,
+        segments: list[list[int]],
+        prefix: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> int:
         """Store the KV of each segment the connector lacks, once each, computed standalone
-        (positions from 0) or, given the shared prefix, right after it; returns how many were
-        computed. Needs a connector with segment support."""
+        (positions from 0) or, given the shared prefix, right after it, under cache_salt's keys;
+        returns how many were computed. Needs a connector with segment support."""
         prefix = list(prefix or [])
         unique = list(dict.fromkeys(tuple(s) for s in segments))
         if any(not s for s in unique):
             raise ValueError("a segment must hold at least one token")
-        present = self.connector.lookup_segments([list(s) for s in unique], prefix or None)
+        present = self.connector.lookup_segments(
+            [list(s) for s in unique], prefix or None, cache_salt
+        )
         if present is None:
             raise ValueError("the engine's connector does not store segments")
         todo = [list(s) for s, p in zip(unique, present) if not p]
-        one, base = SamplingParams(max_tokens=1, ignore_eos=True), self._next_id
+        one = SamplingParams(max_tokens=1, ignore_eos=True, cache_salt=cache_salt)
+        base = self._next_id
         groups = [base + i for i in range(len(todo))]
         for g, toks in zip(groups, todo):
             seq = self.add_request(g, prefix + toks, one)
@@ -258,6 +274,11 @@ class LLM:
                     rows.append(i)
                     seqs.append(child)
         tokens = dict(zip((s.seq_id for s in seqs), sample(logits[rows], seqs))) if seqs else {}
+        logprobs = {
+            s.seq_id: token_logprobs(logits[r], tokens[s.seq_id], s.params.logprobs)
+            for r, s in zip(rows, seqs)
+            if s.params.logprobs is not None
+        }
         saved, _loaded = self.connector.get_finished()
         failed = self.connector.get_block_ids_with_load_errors()
         now = time.perf_counter()
@@ -265,6 +286,8 @@ class LLM:
         for s in seqs:
             if s.num_output_tokens == 1 and not s.metrics.first_token_time:
                 s.metrics.first_token_time = now
+            if s.seq_id in logprobs and len(s.logprobs) < s.num_output_tokens:
+                s.logprobs.append(logprobs[s.seq_id])  # not when a failed load dropped the sample
         for s in done:
             s.metrics.finish_time = now
             s.metrics.connector = self.connector.request_metrics(s.request_id)
@@ -278,6 +301,20 @@ class LLM:
             st.kv_slots_empty + empty,
         )
         return out.num_tokens
+
+    def abort(self, group: int, sample: int | None = None) -> None:
+        """Stop a request added by add_request: its unfinished samples (or only sample index
+        `sample`, which then stays for _output) leave the queues with their blocks freed and
+        finish_reason "abort". Without `sample` the request is also forgotten."""
+        seqs = self._groups.get(group, [])
+        if sample is None:
+            self._groups.pop(group, None)
+        live = [s for s in seqs if not s.is_finished and sample in (None, s.sample_index)]
+        self.scheduler.abort(live)
+        now = time.perf_counter()
+        for s in live:
+            s.metrics.finish_time = now
+            s.metrics.connector = self.connector.request_metrics(s.request_id)
 
     def _drain_saves(self, timeout: float = 60.0) -> None:
         """Wait for the connector to finish saves it holds blocks for, then free them."""

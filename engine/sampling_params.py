@@ -23,6 +23,10 @@ class SamplingParams:
     blend_check_layer: int | None = (
         None  # segment prompts: the layer whose deviation ranks rows (None: engine's)
     )
+    logprobs: int | None = None  # also record each sampled token's logprob and this many top ones
+    # Tenant isolation: KV is shared (prefix cache, connector keys) only between requests with
+    # the same salt; None shares with every unsalted request.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -35,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

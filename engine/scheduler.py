@@ -250,6 +250,22 @@ class Scheduler:
             seq.status = Status.FINISHED
             finished.append(seq)
 
+    def abort(self, seqs: Iterable[Sequence]) -> None:
+        """Drop unfinished seqs (their client went away): out of the queues, their blocks freed,
+        or held while the connector still reads them."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            if self.connector.request_finished(seq, list(seq.block_table)):
+                self.held[seq.request_id] = seq
+            else:
+                self.blocks.free_seq(seq)
+
     def release_saved(self, request_ids: set[str]) -> None:
         """Free the blocks of finished requests whose save the connector reports done."""
         for rid in request_ids:

@@ -62,6 +62,8 @@ class Sequence:
     blend: BlendParams | None = None
     ingest: bool = False
     exact_kv: bool = True  # False once blended KV is in its blocks: never indexed, never stored
+    # With params.logprobs: per output token, (its logprob, [(token, logprob)] of the top ones).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)

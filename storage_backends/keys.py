@@ -85,6 +85,15 @@ class ChunkHasher:
         self.chunk_size = salt.chunk_size
         self._seed = salt.digest()
 
+    def salted(self, cache_salt: str | None) -> ChunkHasher:
+        """This hasher under a per-request cache salt (a tenant's secret): its keys share
+        nothing with another salt's, nor with the unsalted ones; None returns self."""
+        if cache_salt is None:
+            return self
+        out = ChunkHasher(self.salt)
+        out._seed = xxhash.xxh3_128_digest(self._seed + b"cache-salt" + _field(cache_salt))
+        return out
+
     def chunks(self, tokens, partial: bool = False) -> list[tuple[int, int]]:
         n = len(tokens)
         c = self.chunk_size

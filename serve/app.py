@@ -1,0 +1,235 @@
+"""The aiohttp application: OpenAI routes over one EngineLoop, bearer auth, JSON errors."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from tierkv.engine.llm import LLM
+from tierkv.serve.config import ServeConfig
+from tierkv.serve.engine_loop import EngineLoop, Job, Overloaded, Update
+from tierkv.serve.metrics import ServeMetrics
+from tierkv.serve.output import Choice, Shaper, usage
+from tierkv.serve.protocol import APIError, ParsedRequest, parse
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(e: APIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+class Server:
+    def __init__(self, llm: LLM, config: ServeConfig, connector: Any = None) -> None:
+        self.llm, self.config = llm, config
+        self.metrics = ServeMetrics(connector)
+        self.engine = EngineLoop(llm, config.max_pending, self.metrics, config.idle_wait_s)
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[self._middleware]
+        )
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+
+        async def start(_: web.Application) -> None:
+            self.engine.start()
+
+        async def stop(_: web.Application) -> None:
+            await asyncio.to_thread(self.engine.stop)
+
+        app.on_startup.append(start)
+        app.on_cleanup.append(stop)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.config.api_key
+        if key is not None and request.path.startswith("/v1"):
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+                return error_response(
+                    APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                )
+        try:
+            return await handler(request)
+        except APIError as e:
+            return error_response(e)
+        except web.HTTPException as e:  # unknown route, wrong method, body too large
+            if e.status < 400:
+                raise
+            return error_response(APIError(e.status, e.reason or "error"))
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tierkv",
+            "max_model_len": self.llm.scheduler.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.engine.thread.is_alive()
+        return web.json_response(
+            {"status": "ok" if ok else "engine stopped"}, status=200 if ok else 503
+        )
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        try:
+            req = parse(body, chat, self.llm, self.config)
+        except ValueError as e:  # SamplingParams' own checks
+            raise APIError(400, str(e)) from None
+        q: asyncio.Queue[list[Update]] = asyncio.Queue()
+        loop, n = asyncio.get_running_loop(), req.params.n
+        jobs = [Job(p, req.params, loop, q, base=i * n) for i, p in enumerate(req.prompts)]
+        submitted: list[Job] = []
+        try:
+            for job in jobs:
+                self.engine.submit(job)
+                submitted.append(job)
+        except Overloaded as e:
+            for job in submitted:
+                self.engine.abort(job)
+            self.metrics.rejected.inc()
+            raise APIError(429, str(e), kind="rate_limit_exceeded") from None
+        run = Run(self.engine, req, jobs, Shaper(chat, self.config.model_name), self.llm)
+        try:
+            if req.stream:
+                return await run.stream(request)
+            return await run.collect()
+        finally:
+            if not run.finished():  # the client left (the handler is cancelled) or an error
+                for job in jobs:
+                    self.engine.abort(job)
+
+
+class Run:
+    """One HTTP request's choices as the engine's updates arrive."""
+
+    def __init__(
+        self, engine: EngineLoop, req: ParsedRequest, jobs: list[Job], shaper: Shaper, llm: LLM
+    ) -> None:
+        self.engine, self.req, self.jobs, self.shaper = engine, req, jobs, shaper
+        n = req.params.n
+        self.choices = [Choice(i, llm.tokenizer, req.stop) for i in range(len(jobs) * n)]
+        self.finals: list[dict[str, Any] | None] = [None] * len(self.choices)
+
+    def finished(self) -> bool:
+        return all(f is not None for f in self.finals)
+
+    def apply(self, up: Update) -> tuple[Choice, str, int, int, bool, int]:
+        """Feed one update to its choice: (choice, new text, first token, end token, whether
+        the choice ended with it, character offset of the new text)."""
+        if up.error is not None:
+            raise APIError(400, up.error)
+        c = self.choices[up.index]
+        was_done, start, offset = c.finish_reason is not None, len(c.token_ids), c.sent
+        text, used = c.feed(up)
+        if up.usage is not None:
+            self.finals[up.index] = up.usage
+        ended = not was_done and c.finish_reason is not None
+        if ended and up.finish_reason is None:  # a stop string: the engine may stop the sample
+            n = self.req.params.n
+            self.engine.finish_sample(self.jobs[up.index // n], up.index % n)
+        return c, text, start, start + used, ended, offset
+
+    def usage(self) -> dict[str, Any]:
+        return usage([f for f in self.finals if f is not None], self.req.params.n)
+
+    async def collect(self) -> web.Response:
+        while not self.finished():
+            for up in await self.jobs[0].queue.get():
+                self.apply(up)
+        sh, lp = self.shaper, self.req.logprobs
+        choices = [
+            sh.choice(c, c.text, 0, len(c.token_ids), 0, lp, True, False) for c in self.choices
+        ]
+        return web.json_response(sh.body(choices, False, self.usage()))
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        q = self.jobs[0].queue
+        first = await q.get()  # a request the engine refuses is still answered with a 400
+        for up in first:
+            if up.error is not None:
+                raise APIError(400, up.error)
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        sh, lp = self.shaper, self.req.logprobs
+
+        async def send(obj: Any) -> None:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        if sh.chat:  # the first chunk of each choice names the role
+            for c in self.choices:
+                d = {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                await send(sh.body([d], True))
+        batch: list[Update] | None = first
+        try:
+            while batch is not None:
+                for up in batch:
+                    c, text, a, b, ended, offset = self.apply(up)
+                    if text or ended or (lp and b > a):
+                        await send(
+                            sh.body([sh.choice(c, text, a, b, offset, lp, ended, True)], True)
+                        )
+                batch = None if self.finished() else await q.get()
+        except APIError as e:  # a later prompt of a batch was refused
+            await send(e.body())
+        if self.req.include_usage:
+            await send(sh.body([], True, self.usage()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def serve(server: Server) -> None:
+    """Run until SIGINT or SIGTERM."""
+    cfg = server.config
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # request in the engine (the finally in _generate).
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    addrs = [s.getsockname() for s in (site._server.sockets if site._server else [])]  # type: ignore[union-attr,attr-defined]
+    port = addrs[0][1] if addrs else cfg.port
+    print(f"tierkv serve: {cfg.model_name} on http://{cfg.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()

@@ -1,0 +1,36 @@
+"""ServeConfig: every knob of the HTTP server (the engine's own are the CLI's engine options)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    # Loopback by default: exposing an unauthenticated model server is a deliberate choice.
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port (printed at start)
+    # When set, every /v1 request needs `Authorization: Bearer <api_key>` (else 401);
+    # /health and /metrics stay open for probes and scrapers.
+    api_key: str | None = None
+    model_name: str = "tierkv"  # the id /v1/models lists; requests may name it or omit it
+    # Requests admitted at once (queued or running in the engine). Beyond it a request gets 429
+    # at once: a bounded queue answers overload instead of letting latency grow unbounded.
+    max_pending: int = 256
+    max_n: int = 16  # most samples (n) one request may ask for
+    max_logprobs: int = 20  # most top logprobs per token (the OpenAI API allows 20)
+    # max_tokens when a request omits it: the OpenAI completions default is 16; chat runs to
+    # the context limit, capped here so a forgotten max_tokens cannot hold a slot for long.
+    default_max_tokens: int = 16
+    default_chat_max_tokens: int = 512
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    # How long the engine thread sleeps when idle before rechecking (a new request wakes it).
+    idle_wait_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_pending < 1 or self.max_n < 1:
+            raise ValueError("max_pending and max_n must be >= 1")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when set")
