@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
 from tierkv.connector.requests import model_fingerprint, record_lookup, request_state
-from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves
+from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves, scatter_layer
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
 from tierkv.storage_backends.base import Tier
@@ -298,8 +299,13 @@ class TierKVConnector(KVConnector):
                 self.store,
                 self.ns,
                 self.layout,
-                self.caches,
-                self.kv_scales,
+                partial(
+                    scatter_layer,
+                    self.job,
+                    caches=self.caches,
+                    kv_scales=self.kv_scales,
+                    rope=self.layout.rope,
+                ),
                 self.stats,
                 self.config.load_timeout_s,
             )

@@ -148,18 +148,20 @@ def scatter_layer(
             copied("connector.scatter", part.numel() * part.element_size())
 
 
+Scatter = Callable[[list[list[KVSegment]], int], None]  # (each plan's good segments, layer)
+
+
 async def run_load(
     job: LoadJob,
     store: Tier,
     ns: str,
     layout: Layout,
-    caches: list[torch.Tensor],
-    kv_scales: torch.Tensor | None,
+    scatter: Scatter,
     stats: ConnectorStats,
     timeout: float,
 ) -> None:
-    """Fetch and verify every chunk first, then scatter layer by layer, setting each layer's
-    event."""
+    """Fetch and verify every chunk first, then scatter layer by layer (`scatter` writes one
+    layer of every plan into the engine's own paged layout), setting each layer's event."""
     try:
         segs = await asyncio.wait_for(
             asyncio.gather(*(fetch(store, ns, p, layout, stats) for p in job.plans)), timeout
@@ -169,7 +171,7 @@ async def run_load(
                 if job.cancelled:
                     return
                 job.scattering = True
-                scatter_layer(job, segs, layer, caches, kv_scales, layout.rope)
+                scatter(segs, layer)
             job.events[layer].set()
         stats.record(stats.load_seconds, time.perf_counter() - job.started)
     except asyncio.TimeoutError:

@@ -11,10 +11,8 @@ the blocks; the request's blocks are released only when its last put has finishe
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -23,7 +21,7 @@ import torch
 
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import ConnectorStats, SavePlan
-from tierkv.connector.transfer import Layout, LoadJob, book, fetch, run_saves
+from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves
 from tierkv.storage_backends.segment import KVSegment, dtype_name
 from tierkv.storage_backends.store import TieredStore
 from tierkv.vllm.layout import PagedLayout, detect_layout, gather, probe_tiles, scatter
@@ -33,51 +31,26 @@ log = logging.getLogger("tierkv.vllm")
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-async def run_load(
-    job: LoadJob,
-    store: TieredStore,
-    ns: str,
-    layout: Layout,
-    paged: PagedLayout,
-    caches: list[torch.Tensor],
-    stats: ConnectorStats,
-    timeout: float,
-) -> None:
-    """Fetch and verify every chunk, then scatter layer by layer, setting each layer's event."""
-    try:
-        segs = await asyncio.wait_for(
-            asyncio.gather(*(fetch(store, ns, p, layout, stats) for p in job.plans)), timeout
-        )
-        for layer in range(layout.num_layers):
-            with job.lock:
-                if job.cancelled:
-                    return
-                job.scattering = True
-                for plan, good in zip(job.plans, segs):
-                    _scatter_plan(
-                        plan.start,
-                        plan.end,
-                        plan.failed_from,
-                        plan.chunks,
-                        good,
-                        layer,
-                        paged,
-                        caches[layer],
-                        plan.block_ids,
-                    )
-            job.events[layer].set()
-        stats.record(stats.load_seconds, time.perf_counter() - job.started)
-    except asyncio.TimeoutError:
-        stats.load_timeouts += 1
-        log.warning("tierkv load timed out after %.1fs; recomputing", timeout)
-        job.cancel()
-    except Exception as e:  # a fault anywhere is a recompute, never a failed request
-        stats.load_errors += 1
-        log.warning("tierkv load failed (%r); recomputing", e)
-        job.cancel()
-    finally:
-        for ev in job.events:
-            ev.set()
+def scatter_into(
+    job: LoadJob, paged: PagedLayout, caches: list[torch.Tensor]
+) -> Callable[[list[list[KVSegment]], int], None]:
+    """The run_load scatter for vLLM's paged layout: one layer of every plan."""
+
+    def scatter_layer(segs: list[list[KVSegment]], layer: int) -> None:
+        for plan, good in zip(job.plans, segs):
+            _scatter_plan(
+                plan.start,
+                plan.end,
+                plan.failed_from,
+                plan.chunks,
+                good,
+                layer,
+                paged,
+                caches[layer],
+                plan.block_ids,
+            )
+
+    return scatter_layer
 
 
 def _scatter_plan(
@@ -185,8 +158,7 @@ class WorkerSide:
                 self.store,
                 self.ns,
                 self.layout,
-                self.paged,
-                self.caches,
+                scatter_into(self.job, self.paged, self.caches),
                 self.stats,
                 self.load_timeout_s,
             )
