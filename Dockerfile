@@ -15,7 +15,7 @@ COPY cacheserver cacheserver
 COPY kernels kernels
 COPY engine engine
 COPY connector connector
-COPY serve serve
+COPY vllm_adapter vllm_adapter
 RUN pip install .
 
 RUN useradd --system --uid 10001 tierkv && mkdir -p /var/cache/tierkv && chown tierkv /var/cache/tierkv

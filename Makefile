@@ -59,11 +59,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	mkdir -p build/typecheck/tierkv
-	for part in kernels storage_backends cacheserver engine connector proto serve; do \
+	for part in kernels storage_backends cacheserver engine connector proto; do \
 	  ln -sfn ../../../$$part build/typecheck/tierkv/$$part; done
 	ln -sfn ../../../vllm_adapter build/typecheck/tierkv/vllm
 	$(BIN)/mypy -p tierkv.storage_backends -p tierkv.cacheserver -p tierkv.connector \
-	  -p tierkv.engine -p tierkv.kernels -p tierkv.vllm -p tierkv.serve
+	  -p tierkv.engine -p tierkv.kernels -p tierkv.vllm
 
 # The engine, connector and CacheBlend on the Triton kernels, run by Triton's interpreter.
 test-triton: $(STAMP)

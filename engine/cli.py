@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve", parents=[common], help="serve the OpenAI API over HTTP (see docs/serve.md)"
     )
-    from tierkv.serve.cli import add_serve_options
+    from tierkv.engine.serve.cli import add_serve_options
 
     add_serve_options(sv)
     pl = sub.add_parser("pull", help="fetch a named model into the model cache")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             chat(llm, args)
             return 0
         if args.cmd == "serve":
-            from tierkv.serve.cli import run
+            from tierkv.engine.serve.cli import run
 
             return run(args, llm, conn)
         outs = llm.generate(prompts, sampling(args), use_tqdm=False)

@@ -45,8 +45,8 @@ class ThreadServer:
     """tierkv serve on a free port, its event loop on a thread of this process."""
 
     def __init__(self, llm: Any, **config: Any) -> None:
-        from tierkv.serve.app import Server
-        from tierkv.serve.config import ServeConfig
+        from tierkv.engine.serve.app import Server
+        from tierkv.engine.serve.config import ServeConfig
 
         self.port = free_port()
         self.server = Server(llm, ServeConfig(port=self.port, model_name="tiny", **config))

@@ -16,6 +16,7 @@ from typing import Any
 
 import openai
 import pytest
+import tomllib
 
 from tests.serve_helpers import ThreadServer, tiny_checkpoint, words
 from tierkv.engine import LLM, SamplingParams
@@ -335,7 +336,7 @@ def test_overload_gets_429(other_llm: LLM) -> None:
 
 def test_cli_serve_parses(tmp_path: Path) -> None:
     from tierkv.engine.cli import build_parser
-    from tierkv.serve.cli import config_of
+    from tierkv.engine.serve.cli import config_of
 
     args = build_parser().parse_args(["serve", "--model", "m", "--api-key", "k", "--port", "9"])
     cfg = config_of(args)
@@ -359,4 +360,6 @@ def test_compose_runs_two_replicas_on_the_server() -> None:
         assert all(p.startswith("127.0.0.1:") for p in svc["ports"])
         published |= set(svc["ports"])
     assert len(published) == 2
-    assert "COPY serve serve" in (root / "Dockerfile").read_text()
+    docker = (root / "Dockerfile").read_text()  # `pip install .` needs every part's folder
+    dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert all(f"COPY {d} {d}" in docker for d in dirs.values())

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.engine.tokenizer import Tokenizer
-from tierkv.serve.engine_loop import Update
+from tierkv.engine.serve.engine_loop import Update
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """tierkv's OpenAI-compatible HTTP server over the engine (`tierkv-engine serve`)."""
 
-from tierkv.serve.config import ServeConfig
+from tierkv.engine.serve.config import ServeConfig
 
 __all__ = ["ServeConfig"]

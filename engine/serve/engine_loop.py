@@ -18,9 +18,9 @@ from tierkv.engine.blend import PromptPart, join_parts
 from tierkv.engine.llm import LLM, Prompt
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.sequence import Sequence
-from tierkv.serve.metrics import ServeMetrics
+from tierkv.engine.serve.metrics import ServeMetrics
 
-log = logging.getLogger("tierkv.serve")
+log = logging.getLogger("tierkv.engine.serve")
 
 
 class Overloaded(Exception):

@@ -12,11 +12,11 @@ from typing import Any
 from aiohttp import web
 
 from tierkv.engine.llm import LLM
-from tierkv.serve.config import ServeConfig
-from tierkv.serve.engine_loop import EngineLoop, Job, Overloaded, Update
-from tierkv.serve.metrics import ServeMetrics
-from tierkv.serve.output import Choice, Shaper, usage
-from tierkv.serve.protocol import APIError, ParsedRequest, parse
+from tierkv.engine.serve.config import ServeConfig
+from tierkv.engine.serve.engine_loop import EngineLoop, Job, Overloaded, Update
+from tierkv.engine.serve.metrics import ServeMetrics
+from tierkv.engine.serve.output import Choice, Shaper, usage
+from tierkv.engine.serve.protocol import APIError, ParsedRequest, parse
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -10,7 +10,7 @@ from tierkv.engine.blend import PromptPart
 from tierkv.engine.llm import LLM, Prompt
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
-from tierkv.serve.config import ServeConfig
+from tierkv.engine.serve.config import ServeConfig
 
 
 class APIError(Exception):

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from tierkv.engine.llm import LLM
-from tierkv.serve.config import ServeConfig
+from tierkv.engine.serve.config import ServeConfig
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
 
 
 def run(args: argparse.Namespace, llm: LLM, connector: Any) -> int:
-    from tierkv.serve.app import Server, serve
+    from tierkv.engine.serve.app import Server, serve
 
     asyncio.run(serve(Server(llm, config_of(args), connector)))
     return 0
