@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.engine.tokenizer import Tokenizer
 from tierkv.engine.serve.engine_loop import Update
+from tierkv.engine.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

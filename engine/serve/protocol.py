@@ -9,8 +9,8 @@ from typing import Any
 from tierkv.engine.blend import PromptPart
 from tierkv.engine.llm import LLM, Prompt
 from tierkv.engine.sampling_params import SamplingParams
-from tierkv.engine.tokenizer import Message
 from tierkv.engine.serve.config import ServeConfig
+from tierkv.engine.tokenizer import Message
 
 
 class APIError(Exception):
