@@ -97,6 +97,8 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Iterable[str] | None = 
     cols = list(columns or rows[0].keys())
 
     def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
         if isinstance(v, float):
             return f"{v:.4g}"
         return str(v)

@@ -2,10 +2,11 @@
 
 One run measures put and get of 1, 4 and 32 MiB segments by 1 and 4 concurrent clients, and
 of 256 KiB segments by 64, for tierkv-server's cpu tier over gRPC, over its same-host
-shared-memory data plane and over its TCP data port (puts stay on gRPC), tierkv-server's
-redis tier, raw redis-py
-SET/GET of the same bytes, a raw loopback TCP transfer (the ceiling of a socket) and a
-memcpy of the same bytes (the ceiling of shared memory), plus Lookup latency for 64 keys.
+shared-memory data plane and over its TCP data port (puts over the same path), tierkv-server's
+redis tier, raw redis-py SET/GET of the same bytes, a raw loopback TCP transfer (the ceiling
+of a socket) and a memcpy of the same bytes (the ceiling of shared memory), plus Lookup
+latency for 64 keys. The STREAM rows are the connector's load: one client asks for all the
+keys (as many as the other rows' clients) in one layer-major STREAM; they have no put.
 Servers are real processes on loopback; clients share this process' event loop.
 """
 
@@ -19,6 +20,7 @@ import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import torch
@@ -29,6 +31,7 @@ from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.data_client import DataTier
 from tierkv.storage_backends.base import MiB
+from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
 
 HDR = struct.Struct("<cQ")  # op (b"G" or b"P"), length
@@ -141,6 +144,51 @@ async def bench_tierkv(
     return t_put, t_get
 
 
+@dataclass(slots=True)
+class Staging:
+    """A connector-like sink: each key's layers land in its own reused buffer."""
+
+    bufs: list[torch.Tensor]
+    layer_bytes: int
+
+    def open(self, i: int, h: SegmentHeader) -> bool:
+        return True
+
+    def into(self, i: int, layer: int) -> memoryview:
+        n = self.layer_bytes
+        return self.bufs[i].view(-1).view(torch.uint8).numpy().data[layer * n : (layer + 1) * n]
+
+    def drop(self, i: int, why: str) -> None:
+        raise RuntimeError(f"streamed key {i} dropped: {why}")
+
+    async def ready(self, layer: int) -> None:
+        pass
+
+
+async def bench_stream(target: str, seg: KVSegment, n: int, repeat: int, path: str) -> float:
+    """Median seconds of one STREAM of n keys by one client (a request's chunks)."""
+    t = DataTier(target=target, shared_memory=path == "shm")
+    keys = [(i + 90000).to_bytes(16, "little") for i in range(n)]
+    for k in keys:
+        s = KVSegment.from_tensor(
+            seg.payload, key=k, tokens=seg.tokens, fingerprint=seg.fingerprint
+        )
+        assert await t.put(k, s)
+    sink = Staging([torch.empty_like(seg.payload) for _ in keys], seg.layer(0).nbytes)
+    times = []
+    for r in range(repeat + 1):
+        t0 = time.perf_counter()
+        await t.stream(keys, "default", sink)
+        if r:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+    if t.stats().errors or t._session is None:
+        raise RuntimeError(f"the {path} data plane was not used; the benchmark is broken")
+    for k in keys:
+        await t.delete(k)
+    await t.close()
+    return statistics.median(times)
+
+
 def bench_memcpy(nbytes: int, clients: int, repeat: int) -> tuple[float, float]:
     """One copy of the bytes per client (what a shared-memory get cannot beat)."""
     src = [torch.empty(nbytes, dtype=torch.uint8).fill_(1) for _ in range(clients)]
@@ -238,7 +286,7 @@ async def main() -> None:
     ).start()
     rows = []
     cases: list[tuple[float, int]] = [(mib, c) for mib in sizes for c in conc] + [(0.25, 64)]
-    bar = tqdm(total=len(cases) * 7, desc="bench.server", unit="case")
+    bar = tqdm(total=len(cases) * 8, desc="bench.server", unit="case")
     try:
         for mib, c in cases:
             seg = make_segment(mib, seed=int(mib * 4))
@@ -256,6 +304,10 @@ async def main() -> None:
             results["tierkv-server (TCP data plane)"] = await bench_tierkv(
                 cpu_srv.target, {0: seg}, c, repeat, path="tcp"
             )
+            bar.update()
+            for path, name in (("shm", "shared memory"), ("tcp", "TCP data plane")):
+                t_stream = await bench_stream(cpu_srv.target, seg, c, repeat, path)
+                results[f"tierkv-server STREAM ({name})"] = (None, t_stream)
             bar.update()
             results["tierkv-server (redis tier)"] = await bench_tierkv(
                 redis_srv.target, {0: seg}, c, repeat
@@ -277,9 +329,9 @@ async def main() -> None:
                         "system": system,
                         "size_mib": mib,
                         "clients": c,
-                        "put_gbps": gb / tp,
+                        "put_gbps": None if tp is None else gb / tp,
                         "get_gbps": gb / tg,
-                        "put_ms": tp * 1e3,
+                        "put_ms": None if tp is None else tp * 1e3,
                         "get_ms": tg * 1e3,
                     }
                 )
@@ -335,6 +387,13 @@ async def main() -> None:
             0.7,
         ),
         ("shared-memory get / memcpy", "tierkv-server (shared memory)", "memcpy", 0.5),
+        (
+            "TCP data-plane STREAM / loopback TCP get",
+            "tierkv-server STREAM (TCP data plane)",
+            "loopback TCP",
+            0.7,
+        ),
+        ("shared-memory STREAM / memcpy", "tierkv-server STREAM (shared memory)", "memcpy", 0.5),
     ]
     goals = [
         goal(f"{what}, {m} MiB, 1 client", ratio(system, base, m, 1), ">=", x, "ratio")
@@ -343,13 +402,15 @@ async def main() -> None:
     ]
     goals += [
         goal(
-            "64 concurrent 256 KiB gets, best tierkv path",
+            "64 x 256 KiB gets (concurrent, or one STREAM), best tierkv path",
             max(
                 at(s, 0.25, 64)["get_gbps"]
                 for s in (
                     "tierkv-server (cpu tier)",
                     "tierkv-server (shared memory)",
                     "tierkv-server (TCP data plane)",
+                    "tierkv-server STREAM (shared memory)",
+                    "tierkv-server STREAM (TCP data plane)",
                 )
             ),
             ">=",

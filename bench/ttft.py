@@ -4,7 +4,7 @@ its TCP port) and over gRPC, and Redis, at 1K-32K tokens (1K-8K on SmolLM2, whos
 each as a ratio to cold and next to the floor (KV bytes at memcpy speed + a one-token forward).
 Also decode speed with the connector attached and saving, against no connector.
 
-    python -m bench.ttft [--quick] [--model bench|smollm2]
+    python -m bench.ttft [--quick] [--model bench|smollm2] [--lengths 8192,32768]
 """
 
 from __future__ import annotations
@@ -67,9 +67,13 @@ def decode_speed(model: BenchModel, conn, n: int, out_len: int) -> float:
 
 
 def main() -> None:
-    args = add_model_arg(parser(__doc__)).parse_args()
+    p = add_model_arg(parser(__doc__))
+    p.add_argument("--lengths", help="prompt lengths to run, comma-separated (default: all)")
+    args = p.parse_args()
     # SmolLM2 holds 8192 positions: its longest prompt leaves room for the first token.
-    if args.model == "bench":
+    if args.lengths:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    elif args.model == "bench":
         lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     else:
         lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8000]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,9 @@ from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.data_session import Elsewhere, Session, Want, handshake
 from tierkv.cacheserver.shm import MAX_KEYS, Region
 from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.base import check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError
+from tierkv.storage_backends.stream import LayerSink
 
 log = logging.getLogger("tierkv.remote")
 FAULTS = (OSError, EOFError, ValueError, SegmentError, asyncio.TimeoutError)
@@ -98,6 +101,35 @@ class DataTier(RemoteTier):
         if self._session is None:
             raise ConnectionError("data plane session closed")
         return await self._session.get(batch)
+
+    async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
+        """One STREAM over the data plane (gRPC streams per key when it is off or down). A
+        session that breaks midway drops the keys still open: their layers may already be in
+        the sink, so they are not asked again."""
+        check_namespace(ns)
+        for k in keys:
+            check_key(k)
+        s = None
+        try:
+            s = await self._session_up()
+        except FAULTS as e:
+            self._drop("stream", e)
+        if s is None:
+            await RemoteTier.stream(self, keys, ns, sink)
+            return
+        t0 = time.perf_counter()
+        try:
+            got = await s.stream(keys, sink)
+        except FAULTS as e:
+            self._drop("stream", e)
+            return
+        except BaseException:  # cancelled midway: the session's framing is lost
+            self._drop("stream", asyncio.CancelledError())
+            raise
+        self._stats.hits += got.hits
+        self._stats.misses += len(keys) - got.hits
+        self._stats.bytes_out += got.nbytes
+        self._get_lat.add(time.perf_counter() - t0)
 
     async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
         try:

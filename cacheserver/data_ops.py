@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from tierkv.cacheserver.data_stream import Outbound
 from tierkv.cacheserver.frames import BadRequest
 from tierkv.cacheserver.receive import Inflight
 from tierkv.cacheserver.shm import (
@@ -123,6 +124,29 @@ async def get_inline(
         await sendall(conn, REPLY.pack(0, len(raw), len(head)) + head)
         await sendall(conn, raw)
         counts.count_get(s.ns, where, len(raw))
+
+
+async def stream(
+    store: TieredStore,
+    counts: Counts,
+    conn: socket.socket,
+    s: Session,
+    count: int,
+    body: bytes,
+    inflight: Inflight,
+) -> None:
+    """A STREAM: OK, then the store's layer-major stream of the keys as frames (Outbound)."""
+    keys = keys_of(count, body)
+    await sendall(conn, pack(OK, count))
+    out = Outbound(conn, s.region, s.ranges, inflight)
+    try:
+        where = await store.stream_from(keys, s.ns, out)
+        await out.finish()
+    finally:
+        out.close()
+    served = dict(out.done)
+    for i, tier in enumerate(where):
+        counts.count_get(s.ns, tier if i in served else "", served.get(i, 0))
 
 
 async def put(

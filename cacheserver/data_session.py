@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tierkv.cacheserver.data_stream import Inbound
 from tierkv.cacheserver.shm import (
+    FRAME,
     FULL,
     GET,
     HEAD,
@@ -26,6 +29,7 @@ from tierkv.cacheserver.shm import (
     PUT,
     RELEASE,
     REPLY,
+    STREAM,
     Region,
     pack,
     recv_exactly,
@@ -35,6 +39,7 @@ from tierkv.storage_backends.buffers import copy_into, out_view
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment, SegmentError
+from tierkv.storage_backends.stream import LayerSink
 
 Got = tuple[KVSegment, int] | None | Exception  # one key's answer: (segment, bytes), a miss, or why
 
@@ -114,10 +119,7 @@ class Session:
         msg = pack(GET, len(batch), b"".join(w.key for w in batch))
         loop = asyncio.get_running_loop()
         async with self.io:
-            if self.released:
-                rel = struct.pack(f"<{len(self.released)}Q", *self.released)
-                msg = pack(RELEASE, len(self.released), rel) + msg
-                self.released.clear()
+            msg = self._releasing() + msg
             await loop.sock_sendall(self.sock, msg)
             code, count, n = HEAD.unpack(await recv_exactly(self.sock, HEAD.size))
             if n > len(batch) * (REPLY.size + MAX_BODY):
@@ -128,6 +130,38 @@ class Session:
             if self.region is None:
                 return [await self._inline(w) for w in batch]
         return self._ranges(batch, body)
+
+    async def stream(self, keys: Sequence[bytes], sink: LayerSink) -> Inbound:
+        """One STREAM of keys into sink; what arrived. Raises when the session broke (the
+        caller drops every key still open, `Inbound.fail`)."""
+        got = Inbound(keys, sink, self.region, self.max_bytes)
+        msg = pack(STREAM, len(keys), b"".join(keys))
+        loop = asyncio.get_running_loop()
+        async with self.io:
+            msg = self._releasing() + msg
+            try:
+                await loop.sock_sendall(self.sock, msg)
+                code, count, n = HEAD.unpack(await recv_exactly(self.sock, HEAD.size))
+                if code != OK or count != len(keys) or n:
+                    why = await recv_exactly(self.sock, min(n, MAX_BODY)) if n else b""
+                    raise ValueError(f"data plane answered {code} to a stream: {why[:200]!r}")
+                while not got.finished:
+                    frame = FRAME.unpack(await recv_exactly(self.sock, FRAME.size))
+                    await got.frame(self.sock, *frame)
+            except BaseException as e:
+                got.fail(f"data plane stream failed: {e!r}")
+                raise
+            finally:
+                self.released += got.released
+        return got
+
+    def _releasing(self) -> bytes:
+        """A RELEASE of the ranges read since the last op, to send ahead of the next."""
+        if not self.released:
+            return b""
+        rel = struct.pack(f"<{len(self.released)}Q", *self.released)
+        self.released.clear()
+        return pack(RELEASE, len(rel) // 8, rel)
 
     def _ranges(self, batch: list[Want], body: memoryview) -> list[Got]:
         if len(body) < len(batch) * REPLY.size:

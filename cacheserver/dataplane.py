@@ -32,6 +32,7 @@ from tierkv.cacheserver.shm import (
     OK,
     PUT,
     RELEASE,
+    STREAM,
     UNAUTHENTICATED,
     RangeAllocator,
     Region,
@@ -127,6 +128,10 @@ class DataPlane:
                     await sendall(
                         conn,
                         await ops.get_into_region(self.store, self.counts, session, count, body),
+                    )
+                elif op == STREAM:
+                    await ops.stream(
+                        self.store, self.counts, conn, session, count, body, self.inflight
                     )
                 elif op == PUT and count == 1:
                     reply = await ops.put(

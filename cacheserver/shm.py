@@ -11,6 +11,13 @@ A client on another host uses the same protocol over the server's TCP data port:
 answered without a region, and a GET is answered by OK with an empty body, then per key in
 order its REPLY (offset 0), encoded header and payload bytes (nothing to RELEASE).
 
+STREAM (either socket) names keys and is answered layer-major: OK, then frames (FRAME) of
+layer 0 of every key, then of layer 1, and so on; a key's first frame carries its encoded
+header. A layer lies in the session's region (one range per key, layer l at the range's
+offset + l x layer bytes; the client RELEASEs the range) or, where the region has no room and
+over TCP, follows its frame inline. A key missing or failing midway gets a frame with 0 layer
+bytes and the reason; every key ends with its last layer or such a frame.
+
 PUT (either socket) names one key and the encoded segment's length in its body; the encoded
 bytes follow on the socket. The server takes memory as they arrive, under its in-flight
 budget (past it: BUSY, and the session closes), checks the whole segment as a gRPC Put is
@@ -42,11 +49,15 @@ HEAD = struct.Struct("<IIQ")
 REPLY = struct.Struct(
     "<QQI"
 )  # GET reply, per key: region offset, payload bytes (0: miss), header bytes
-HELLO, GET, RELEASE, PUT = 1, 2, 3, 4
+HELLO, GET, RELEASE, PUT, STREAM = 1, 2, 3, 4, 5
 OK, UNAUTHENTICATED, BAD_REQUEST, BUSY = 0, 1, 2, 3
 # A GET reply's offset for a key the region had no room for (its size is 0): load it another
 # way. A miss is offset 0, size 0.
 FULL = (1 << 64) - 1
+# A STREAM reply's frames: key index, layer, header bytes, layer bytes (0: the key is dropped,
+# and hlen bytes of reason follow), region offset of the layer (INLINE: its bytes follow).
+FRAME = struct.Struct("<IIIQQ")
+INLINE = FULL
 MAX_KEYS = 4096  # keys in one GET
 MAX_BODY = 64 * 1024  # request bodies: a token or at most MAX_KEYS keys/offsets
 

@@ -38,6 +38,9 @@ class ConnectorConfig:
     lookup_timeout_s: float = 2.0  # the scheduler-side Lookup; a timeout is a miss
     load_timeout_s: float = 10.0  # a step's loads; past it the tokens are recomputed
     max_pending_saves: int = 256  # staged chunks waiting for their put; beyond it saves are dropped
+    # Load staging kept between steps for reuse (pinned with CUDA); a step needing more
+    # allocates the rest, and only up to this much is kept. 0 = allocate every load's anew.
+    staging_bytes: int | str = "256MiB"
     metrics_port: int = 0  # serve Prometheus metrics on 127.0.0.1:PORT; 0 = off
     # Loads from a tierkv-server move over its data plane (gRPC still carries lookups and
     # saves): shared memory with a server on this host (grpc://127.0.0.1:PORT, localhost,
@@ -48,6 +51,7 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         self.gpu_bytes, self.cpu_bytes = parse_size(self.gpu_bytes), parse_size(self.cpu_bytes)
         self.disk_bytes = parse_size(self.disk_bytes)
+        self.staging_bytes = parse_size(self.staging_bytes)
         check_namespace(self.namespace)
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from tierkv.connector.config import ConnectorConfig
+from tierkv.connector.loading import StagingPool, run_load
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
 from tierkv.connector.requests import model_fingerprint, record_lookup, request_state
-from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves, scatter_layer
+from tierkv.connector.transfer import Layout, LoadJob, book, run_saves, scatter_layer
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
 from tierkv.storage_backends.base import Tier
@@ -44,6 +45,7 @@ class TierKVConnector(KVConnector):
         self.config = config or ConnectorConfig()
         self.stats = ConnectorStats()
         self.loop = LoopThread()
+        self.staging = StagingPool(int(self.config.staging_bytes))
         self.store = self.loop.run(self._build_store(tiers))
         self.ns = self.config.namespace
         self.states: dict[str, RequestState] = {}
@@ -308,6 +310,7 @@ class TierKVConnector(KVConnector):
                 ),
                 self.stats,
                 self.config.load_timeout_s,
+                self.staging,
             )
         )
 

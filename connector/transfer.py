@@ -1,4 +1,5 @@
-"""Worker-side data movement: a step's loads (fetch, verify, scatter layer by layer) and saves.
+"""Worker-side data movement: what a load checks and how it scatters (the stream itself is in
+connector.loading), and the saves.
 
 Safety contract: nothing reaches the paged cache before its segment has passed the tier's
 checksum check and this module's header check (key, parent, fingerprint, tokens, shape,
@@ -8,7 +9,6 @@ blocks to recompute. After `cancel()` returns, no scatter of that job runs any m
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -22,7 +22,8 @@ from tierkv.connector.plan import ConnectorStats, LoadPlan, SavePlan
 from tierkv.kernels import RotaryEmbedding, rerotate_k, scatter_kv
 from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.copies import copied
-from tierkv.storage_backends.segment import KVSegment, SegmentError
+from tierkv.storage_backends.header import SegmentHeader
+from tierkv.storage_backends.segment import KVSegment
 
 log = logging.getLogger("tierkv.connector")
 
@@ -57,8 +58,11 @@ class LoadJob:
                 p.failed_from = p.start
 
 
-def why_unusable(seg: KVSegment, plan: LoadPlan, i: int, layout: Layout) -> str | None:
-    """Why seg cannot be injected as chunk i of plan, or None when it can."""
+def why_unusable(
+    seg: KVSegment | SegmentHeader, plan: LoadPlan, i: int, layout: Layout
+) -> str | None:
+    """Why seg (or the segment a header announces) cannot be injected as chunk i of plan, or
+    None when it can."""
     c = plan.chunks[i]
     if seg.key != c.key or seg.parent != c.parent:
         return "key or parent differs"
@@ -76,45 +80,6 @@ def why_unusable(seg: KVSegment, plan: LoadPlan, i: int, layout: Layout) -> str 
     ):
         return "tokens differ"
     return None
-
-
-async def fetch(
-    store: Tier, ns: str, plan: LoadPlan, layout: Layout, stats: ConnectorStats
-) -> list[KVSegment]:
-    """The verified segments of plan's chunks, stopping at the first that is missing or wrong."""
-    segs = await asyncio.gather(
-        *(store.get(c.key, ns) for c in plan.chunks), return_exceptions=True
-    )
-    good: list[KVSegment] = []
-    for i, seg in enumerate(segs):
-        why = None
-        if isinstance(seg, BaseException):
-            stats.load_errors += 1
-            why = f"tier error: {seg!r}"
-        elif seg is None:
-            stats.load_misses += 1
-            why = "miss"
-        else:
-            why = why_unusable(seg, plan, i, layout)
-            if why is None and not seg.verified:
-                try:  # bytes no tier checked on their way into this process: check them once
-                    seg.verify()
-                except SegmentError as e:
-                    why = str(e)
-            if why is None:
-                stats.loaded_bytes += seg.payload.numel() * seg.payload.element_size()
-                good.append(seg)
-                continue
-            stats.load_rejected += 1
-        log.warning(
-            "load of request %s chunk %d rejected: %s; recomputing",
-            plan.request_id,
-            plan.chunks[i].index,
-            why,
-        )
-        plan.failed_from = max(plan.start, plan.chunks[i].start)
-        break
-    return good
 
 
 def scatter_layer(
@@ -159,42 +124,6 @@ def scatter_layer(
 
 
 Scatter = Callable[[list[list[KVSegment]], int], None]  # (each plan's good segments, layer)
-
-
-async def run_load(
-    job: LoadJob,
-    store: Tier,
-    ns: str,
-    layout: Layout,
-    scatter: Scatter,
-    stats: ConnectorStats,
-    timeout: float,
-) -> None:
-    """Fetch and verify every chunk first, then scatter layer by layer (`scatter` writes one
-    layer of every plan into the engine's own paged layout), setting each layer's event."""
-    try:
-        segs = await asyncio.wait_for(
-            asyncio.gather(*(fetch(store, ns, p, layout, stats) for p in job.plans)), timeout
-        )
-        for layer in range(layout.num_layers):
-            with job.lock:
-                if job.cancelled:
-                    return
-                job.scattering = True
-                scatter(segs, layer)
-            job.events[layer].set()
-        stats.record(stats.load_seconds, time.perf_counter() - job.started)
-    except asyncio.TimeoutError:
-        stats.load_timeouts += 1
-        log.warning("connector load timed out after %.1fs; recomputing", timeout)
-        job.cancel()
-    except Exception as e:  # a fault anywhere is a recompute, never a failed request
-        stats.load_errors += 1
-        log.warning("connector load failed (%r); recomputing", e)
-        job.cancel()
-    finally:
-        for ev in job.events:
-            ev.set()
 
 
 async def run_saves(

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -61,7 +62,12 @@ def _build_dir() -> Path:
     code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER, PREFILL, GEMV))
     # Two ninja builds record their commands differently and rebuild each other's objects.
     ninja = shutil.which("ninja") or ""
-    tag = hashlib.sha256(code + torch.__version__.encode() + flags.encode() + ninja.encode())
+    # The checkout too: ninja records absolute source paths, so two checkouts of the same
+    # sources sharing a folder would rebuild each other's objects.
+    where = str(SOURCE.parent.resolve()).encode()
+    tag = hashlib.sha256(
+        code + torch.__version__.encode() + flags.encode() + ninja.encode() + where
+    )
     root = Path(os.environ.get("TIERKV_BUILD_DIR", Path.home() / ".cache" / "tierkv"))
     path = root / f"cpu-{tag.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
@@ -69,6 +75,7 @@ def _build_dir() -> Path:
 
 
 _LOCK = threading.Lock()
+STALE_LOCK_S = 600  # a build takes about 20 s; a lock this old was left by a killed one
 
 
 @functools.cache
@@ -76,10 +83,14 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
 
+        root = _build_dir()
+        lock = root / "lock"  # torch's build lock; a build killed midway leaves it forever
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
         build(
             name="tierkv_cpu",
             sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL, GEMV)],
-            build_directory=str(_build_dir()),
+            build_directory=str(root),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,

@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from tierkv.storage_backends.buffers import check_out, copy_into, views
 from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader
+from tierkv.storage_backends.stream import LayerSink, stream_layers
 
 DEFAULT_NAMESPACE = "default"
 KEY_NBYTES = 16  # a key is an xxh3_128 digest
@@ -275,6 +276,14 @@ class Tier(abc.ABC):
     def get_layers(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> AsyncIterator[SegmentLayer]:
         """Layers in order; empty on a miss. Each layer's data is valid until the iterator
         advances. A stream that ends before header.num_layers layers is a miss (a fault midway)."""
+
+    async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
+        """Load keys layer-major into sink: layer 0 of every key, then layer 1, ... (safety
+        contract in storage_backends.stream). Bad keys or namespace raise ValueError first."""
+        check_namespace(ns)
+        for k in keys:
+            check_key(k)
+        await stream_layers(lambda k: self.get_layers(k, ns), keys, sink)
 
     @abc.abstractmethod
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:

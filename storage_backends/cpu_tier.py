@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,8 @@ from tierkv.storage_backends.base import (
     IndexedTier,
     InvariantError,
     SegmentLayer,
+    check_key,
+    check_namespace,
     invariant,
     parse_size,
 )
@@ -24,7 +26,9 @@ from tierkv.storage_backends.segment import (
     SegmentHeader,
     checksum,
     decode_layer,
+    decode_layer_bytes,
 )
+from tierkv.storage_backends.stream import LayerSink
 
 
 @dataclass(slots=True)
@@ -115,6 +119,67 @@ class CpuTier(IndexedTier[CpuEntry]):
         copied("cpu.get", stop - start)
         for at, logical, n in runs(entry.pages, self.page_bytes, start, stop):
             dst[logical - start : logical - start + n] = self._mv[at : at + n]
+
+    async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
+        """Layer-major, each layer gathered from the pages straight into the sink's buffer and
+        checked there (whatever verify_gets says: the stream's contract)."""
+        check_namespace(ns)
+        entries = [self.index.get((ns, check_key(k))) for k in keys]
+        live = []
+        for i, e in enumerate(entries):
+            if e is None:
+                self._stats.misses += 1
+                sink.drop(i, "miss")
+            elif sink.open(i, e.header):
+                live.append(i)
+            else:
+                sink.drop(i, "refused")
+        holds = [self.lease(keys[i], ns) for i in live]
+        try:
+            layer = 0
+            while live:
+                placed = [i for i in live if self._place(ns, keys[i], i, entries[i], layer, sink)]
+                if placed:
+                    await sink.ready(layer)
+                live = [i for i in placed if layer + 1 < self._layers(entries[i])]
+                layer += 1
+        finally:
+            for h in holds:
+                h.release()
+
+    @staticmethod
+    def _layers(e: CpuEntry | None) -> int:
+        return 0 if e is None else e.header.num_layers
+
+    def _place(
+        self, ns: str, key: bytes, i: int, e: CpuEntry | None, layer: int, sink: LayerSink
+    ) -> bool:
+        """Layer of key i (entry e) into the sink; False when it was dropped instead."""
+        assert e is not None
+        if self.index.get((ns, key)) is not e:  # deleted while the stream was away
+            sink.drop(i, "deleted midway")
+            return False
+        h = e.header
+        off, n = h.layers[layer]
+        dst = sink.into(i, layer)
+        try:
+            if h.codec == "none":  # checked always: a stream hands out no unchecked layer
+                self._gather(e, off, off + n, dst)
+                if checksum(dst) != h.checksums[layer]:
+                    raise SegmentError(f"layer {layer}: checksum mismatch")
+            else:
+                scratch = memoryview(bytearray(n))
+                self._gather(e, off, off + n, scratch)
+                dst[:] = decode_layer_bytes(h, layer, scratch)
+        except SegmentError as err:
+            self._corrupt(ns, key)
+            sink.drop(i, str(err))
+            return False
+        self._stats.bytes_out += n
+        if layer + 1 == h.num_layers:
+            self._touch(ns, key)
+            self._stats.hits += 1
+        return True
 
     async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
         entry = self.index.get((ns, key))

@@ -6,15 +6,21 @@ import asyncio
 import os
 import re
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiofiles
 
-from tierkv.storage_backends.base import IndexedTier, SegmentLayer, check_namespace, parse_size
+from tierkv.storage_backends.base import (
+    IndexedTier,
+    SegmentLayer,
+    check_namespace,
+    parse_size,
+)
 from tierkv.storage_backends.buffers import out_view
+from tierkv.storage_backends.disk_stream import stream_files
 from tierkv.storage_backends.segment import (
     PREFIX_NBYTES,
     KVSegment,
@@ -30,6 +36,7 @@ from tierkv.storage_backends.segment_files import (
     read_cached,
     read_header,
 )
+from tierkv.storage_backends.stream import LayerSink
 
 _NAME = re.compile(r"[0-9a-f]{32}\.tkv")
 
@@ -133,6 +140,10 @@ class DiskTier(IndexedTier[DiskEntry]):
         except (OSError, SegmentError):
             self._corrupt(ns, key)
             return None
+
+    async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
+        """Layer-major by positioned reads on files opened once (storage_backends.disk_stream)."""
+        await stream_files(self, keys, ns, sink)
 
     async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
         entry = self.index.get((ns, key))

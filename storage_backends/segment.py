@@ -87,7 +87,8 @@ def _encode_layer(raw: memoryview, codec: str, itemsize: int):
     return lz4.block.compress(raw, store_size=False)
 
 
-def _decode_layer_bytes(h: SegmentHeader, i: int, data) -> memoryview:
+def decode_layer_bytes(h: SegmentHeader, i: int, data) -> memoryview:
+    """Layer i's encoded bytes decoded and checked against its checksum (SegmentError if not)."""
     raw_n = h.layer_raw_nbytes
     data = memoryview(data).cast("B")
     if len(data) != h.layers[i][1]:
@@ -113,7 +114,7 @@ def decode_layer(header: SegmentHeader, i: int, data) -> torch.Tensor:
     none)."""
     if not 0 <= i < header.num_layers:
         raise SegmentError(f"layer {i} out of range [0, {header.num_layers})")
-    raw = _decode_layer_bytes(header, i, data)
+    raw = decode_layer_bytes(header, i, data)
     n = header.layer_raw_nbytes // DTYPES[header.dtype].itemsize
     return _frombuffer(raw, DTYPES[header.dtype], 0, n).view(header.layer_shape)
 
@@ -302,7 +303,7 @@ class KVSegment:
             raw = bytearray(h.payload_raw_nbytes)
             n = h.layer_raw_nbytes
             for i, (off, ln) in enumerate(h.layers):
-                raw[i * n : (i + 1) * n] = _decode_layer_bytes(h, i, mv[off : off + ln])
+                raw[i * n : (i + 1) * n] = decode_layer_bytes(h, i, mv[off : off + ln])
             seg = KVSegment.from_raw(h, memoryview(raw), verify=False)
         seg.encoded = mv[: h.nbytes]
         return seg

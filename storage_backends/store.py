@@ -20,6 +20,7 @@ from tierkv.storage_backends.base import (
 )
 from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.stream import Keep, LayerSink, Merge
 
 log = logging.getLogger(__name__)
 
@@ -244,15 +245,55 @@ class TieredStore(Tier):
             if got:
                 return  # complete, or a fault midway: either way the reader knows by the count
 
+    async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
+        await self.stream_from(keys, ns, sink)
+
+    async def stream_from(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> list[str]:
+        """stream, each key from the fastest tier holding it, every tier's share at once, merged
+        layer by layer; the name of the tier asked for each key ("": none). Hits in a slower
+        tier are copied once they are whole and queued for promotion."""
+        where = await self.locate(keys, ns, guess_last=True)
+        groups: dict[int, list[int]] = {}
+        for i, w in enumerate(where):
+            if w is None:
+                sink.drop(i, "miss")
+            else:
+                groups.setdefault(w, []).append(i)
+        merge = Merge(sink, len(groups))
+        hits = 0
+
+        async def run(j: int, t: int, index: list[int]) -> None:
+            nonlocal hits
+            part = merge.part(j, index)
+            keep = Keep(part)
+            try:
+                await self.tiers[t].stream([keys[i] for i in index], ns, keep)
+            finally:
+                await part.end()
+            hits += len(keep.complete())
+            for k, seg in keep.whole() if self.config.promote and t else []:
+                await self._promote(keys[index[k]], seg, ns, t, None)
+
+        await asyncio.gather(*(run(j, t, idx) for j, (t, idx) in enumerate(groups.items())))
+        self._stats.hits += hits
+        self._stats.misses += len(keys) - hits
+        return ["" if w is None else self.tiers[w].name for w in where]
+
     async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]:
         return [loc is not None for loc in await self.locate(keys, ns)]
 
-    async def locate(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[int | None]:
-        """Index of the fastest tier holding each key, None where no tier has it."""
+    async def locate(
+        self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE, guess_last: bool = False
+    ) -> list[int | None]:
+        """Index of the fastest tier holding each key, None where no tier has it. guess_last:
+        the last tier is not asked; keys no faster tier holds are placed there (a stream asks
+        it for them anyway, and a remote tier's `contains` is a round trip)."""
         check_namespace(ns)
+        for k in keys:
+            check_key(k)
         where: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self.tiers[:-1] if guess_last else self.tiers):
             if not todo:
                 break
             found = await tier.contains([keys[j] for j in todo], ns)
@@ -264,6 +305,8 @@ class TieredStore(Tier):
             moving = self._moving.get((ns, keys[j]))
             if moving is not None:
                 where[j] = moving[1]
+            elif guess_last:
+                where[j] = len(self.tiers) - 1
         return where
 
     async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:

@@ -230,6 +230,43 @@ class FaultTier(CpuTier):
             seg.payload, key=seg.key, parent=seg.parent, tokens=other, fingerprint=seg.fingerprint
         )
 
+    async def stream(self, keys, ns, sink):
+        """Loads come as streams: the same faults, on the stream's way."""
+        if self.mode == "raise":
+            raise RuntimeError("injected tier fault")
+        if self.mode == "slow":
+            await asyncio.sleep(3.0)
+        if self.mode == "drop":
+            for i in range(len(keys)):
+                sink.drop(i, "miss")
+            return
+        if self.mode == "flip":  # the tier's own memory corrupted: its stream's check finds it
+            for key in keys:
+                entry = self.index.get((ns, key))
+                if entry is not None:
+                    at = entry.pages[0] * self.page_bytes + entry.header.header_nbytes + 1234
+                    self._mv[at] ^= 0x10
+        if self.mode == "tokens":  # valid checksums, other tokens
+            sink = OtherTokens(sink)
+        await super().stream(keys, ns, sink)
+
+
+@dataclasses.dataclass
+class OtherTokens:
+    sink: object
+
+    def open(self, i, h):
+        return self.sink.open(i, dataclasses.replace(h, tokens=(h.tokens + 1) % CFG["vocab_size"]))
+
+    def into(self, i, layer):
+        return self.sink.into(i, layer)
+
+    def drop(self, i, why):
+        self.sink.drop(i, why)
+
+    async def ready(self, layer):
+        await self.sink.ready(layer)
+
 
 @pytest.mark.parametrize(
     "mode,counter",
@@ -257,6 +294,8 @@ def test_faults_recompute_and_count(cold, mode: str, counter: str) -> None:
         if mode == "slow":  # the engine waited about its deadline, not the tier's 3 s
             assert out.metrics.ttft < 2.5
         tier.mode = "none"
+        if mode == "flip":  # the corrupt entry was removed: the next run stores it again
+            assert run(conn, PROMPT).metrics.connector["loaded_tokens"] == {}
         assert run(conn, PROMPT).metrics.connector["loaded_tokens"] == {"cpu": HIT}
     finally:
         conn.close()

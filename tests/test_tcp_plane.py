@@ -23,6 +23,7 @@ from tierkv.cacheserver.shm import (
     OK,
     PUT,
     RELEASE,
+    STREAM,
     UNAUTHENTICATED,
     pack,
 )
@@ -131,6 +132,8 @@ def test_malformed_requests_are_refused(server) -> None:
         pack(99, 0),  # unknown op
         pack(GET, 2, b"k" * 16),  # count and body disagree
         pack(GET, 0),  # no keys
+        pack(STREAM, 2, b"k" * 16),  # the same for a stream
+        pack(STREAM, 0),
         pack(RELEASE, 1, (0).to_bytes(8, "little")),  # nothing to release over TCP
         HEAD.pack(GET, 1, 1 << 40),  # a body far past the limit
     ]

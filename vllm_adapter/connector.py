@@ -85,6 +85,7 @@ class TierKVConnector(KVConnectorBase_V1):
                 cfg.codec,
                 cfg.max_pending_saves,
                 cfg.load_timeout_s,
+                int(cfg.staging_bytes),
             )
             if cfg.metrics_port:
                 from tierkv.connector.metrics import serve_metrics

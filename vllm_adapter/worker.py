@@ -19,9 +19,10 @@ from concurrent.futures import Future
 
 import torch
 
+from tierkv.connector.loading import StagingPool, run_load
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import ConnectorStats, SavePlan
-from tierkv.connector.transfer import Layout, LoadJob, book, run_load, run_saves
+from tierkv.connector.transfer import Layout, LoadJob, book, run_saves
 from tierkv.storage_backends.segment import KVSegment, dtype_name
 from tierkv.storage_backends.store import TieredStore
 from tierkv.vllm.layout import PagedLayout, detect_layout, gather, probe_tiles, scatter
@@ -81,8 +82,10 @@ class WorkerSide:
         codec: str,
         max_pending_saves: int,
         load_timeout_s: float,
+        staging_bytes: int,
     ) -> None:
         self.loop, self.store, self.ns, self.fingerprint = loop, store, namespace, fingerprint
+        self.staging = StagingPool(staging_bytes)
         self.codec, self.max_pending, self.load_timeout_s = codec, max_pending_saves, load_timeout_s
         self.stats = ConnectorStats()
         self.index: dict[str, int] = {}
@@ -161,6 +164,7 @@ class WorkerSide:
                 scatter_into(self.job, self.paged, self.caches),
                 self.stats,
                 self.load_timeout_s,
+                self.staging,
             )
         )
 

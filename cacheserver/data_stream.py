@@ -1,0 +1,247 @@
+"""The data plane's STREAM op (protocol in cacheserver.shm), both ends: the server's `Outbound`
+sink turns the store's layer-major stream into frames; the client's `Inbound` checks each
+frame and writes its layer into the caller's sink.
+
+Safety contract: the server takes memory only from the in-flight budget (a layer buffer per
+inline key) or the session's region, and gives it back when the stream ends; the client checks
+every frame against what it asked (index, layer order, header key and shape, the region range)
+before using a byte, and every layer's checksum before the sink sees it ready. A frame that
+does not fit raises (the caller drops the session); a layer whose checksum fails drops its key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tierkv.cacheserver.frames import BadRequest
+from tierkv.cacheserver.receive import Inflight
+from tierkv.cacheserver.shm import (
+    FRAME,
+    INLINE,
+    MAX_BODY,
+    RangeAllocator,
+    Region,
+    recv_exactly,
+    recv_into,
+)
+from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.header import SegmentHeader
+from tierkv.storage_backends.segment import checksum
+from tierkv.storage_backends.stream import LayerSink
+
+
+def _buffer(n: int) -> memoryview:
+    return torch.empty(n, dtype=torch.uint8).numpy().data  # not zeroed: written before read
+
+
+@dataclass(slots=True, eq=False)
+class Outbound:
+    """The server's sink for one STREAM: each key's layers go into its range of the region, or
+    (over TCP, or when the region is full) into a layer buffer sent after its frame."""
+
+    conn: socket.socket
+    region: Region | None
+    ranges: RangeAllocator
+    inflight: Inflight
+    heads: dict[int, SegmentHeader] = field(default_factory=dict)
+    base: dict[int, int] = field(default_factory=dict)  # key -> its range in the region
+    bufs: dict[int, memoryview] = field(default_factory=dict)  # key -> its inline layer buffer
+    placed: list[int] = field(default_factory=list)  # keys written for the layer in progress
+    sent: set[int] = field(default_factory=set)  # keys whose first frame went out
+    pending: list[bytes] = field(default_factory=list)  # frames of dropped keys, not sent yet
+    taken: int = 0
+    done: list[tuple[int, int]] = field(default_factory=list)  # (key, payload bytes) served whole
+
+    def open(self, i: int, header: SegmentHeader) -> bool:
+        off = self.ranges.alloc(header.payload_raw_nbytes) if self.region is not None else None
+        if off is not None:
+            self.base[i] = off
+        else:
+            try:
+                self.inflight.take(header.layer_raw_nbytes)
+            except BadRequest:
+                return False  # the budget is spent: this key is dropped, the client recomputes
+            self.taken += header.layer_raw_nbytes
+            self.bufs[i] = _buffer(header.layer_raw_nbytes)
+        self.heads[i] = header
+        return True
+
+    def into(self, i: int, layer: int) -> memoryview:
+        self.placed.append(i)
+        n = self.heads[i].layer_raw_nbytes
+        if i in self.base:
+            assert self.region is not None
+            at = self.base[i] + layer * n
+            copied("stream.copy_in", n)
+            return memoryview(self.region.map)[at : at + n]
+        return self.bufs[i]
+
+    def drop(self, i: int, why: str) -> None:
+        if i in self.placed:
+            self.placed.remove(i)
+        if i in self.base and i not in self.sent:  # the client never learnt of this range
+            self.ranges.release(self.base.pop(i))
+        msg = why.encode()[:1024]
+        self.pending.append(FRAME.pack(i, 0, len(msg), 0, 0) + msg)
+
+    async def ready(self, layer: int) -> None:
+        out: list[bytes | memoryview] = list(self.pending)
+        self.pending = []
+        for i in self.placed:
+            h = self.heads[i]
+            head = h.encode() if i not in self.sent else b""
+            self.sent.add(i)
+            n = h.layer_raw_nbytes
+            if i in self.base:
+                out.append(FRAME.pack(i, layer, len(head), n, self.base[i] + layer * n) + head)
+            else:
+                out += [FRAME.pack(i, layer, len(head), n, INLINE) + head, self.bufs[i]]
+            if layer + 1 == h.num_layers:
+                self.done.append((i, h.payload_raw_nbytes))
+        self.placed = []
+        await self._send(out)
+
+    async def finish(self) -> None:
+        """Send the frames of keys dropped after the last layer went out."""
+        out: list[bytes | memoryview] = list(self.pending)
+        self.pending = []
+        await self._send(out)
+
+    async def _send(self, parts: list[bytes | memoryview]) -> None:
+        loop, small = asyncio.get_running_loop(), b""
+        for part in parts:  # frames joined; each inline layer sent from its own buffer
+            if isinstance(part, bytes):
+                small += part
+                continue
+            await loop.sock_sendall(self.conn, small)
+            await loop.sock_sendall(self.conn, part)
+            small = b""
+        if small:
+            await loop.sock_sendall(self.conn, small)
+
+    def close(self) -> None:
+        self.inflight.give(self.taken)
+        self.taken = 0
+
+
+@dataclass(slots=True, eq=False)
+class Inbound:
+    """The client's side of one STREAM: frames checked and written into `sink`. A key the sink
+    no longer wants (refused, or a layer that failed its checksum) is still read to its end."""
+
+    keys: Sequence[bytes]
+    sink: LayerSink
+    region: Region | None
+    max_bytes: int  # largest payload accepted per key
+    heads: list[SegmentHeader | None] = field(default_factory=list)
+    nxt: list[int] = field(default_factory=list)  # next layer due from the server; -1: ended
+    wanted: list[bool] = field(default_factory=list)  # the sink still takes this key
+    base: list[int] = field(default_factory=list)  # region offset of each key's range, or -1
+    ended: int = 0  # keys the server has finished with
+    delivered: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+    gone_at: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+    gone: int = 0  # keys dropped at or before the layer made ready next
+    next_ready: int = 0
+    layers: int = 0  # the stream's layer count (its first header's)
+    released: list[int] = field(default_factory=list)  # ranges to give back with the next op
+    hits: int = 0
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.keys)
+        self.heads, self.nxt, self.wanted, self.base = [None] * n, [0] * n, [True] * n, [-1] * n
+
+    @property
+    def finished(self) -> bool:
+        return self.ended == len(self.keys)
+
+    def fail(self, why: str) -> None:
+        """The session failed: every key still wanted and not complete is dropped."""
+        for i in range(len(self.keys)):
+            if self.wanted[i] and self.nxt[i] >= 0:
+                self._gone(i, why, self.nxt[i])
+
+    async def frame(self, sock: socket.socket, i: int, layer: int, hlen: int, size: int, off: int):
+        if not 0 <= i < len(self.keys) or self.nxt[i] < 0:
+            raise ValueError(f"stream frame for key {i}, which is not open")
+        if size == 0:  # dropped by the server
+            why = await recv_exactly(sock, min(hlen, MAX_BODY)) if hlen else b""
+            if self.wanted[i]:
+                self._gone(i, why.decode(errors="replace") or "dropped", self.nxt[i])
+            self._end(i)
+        else:
+            if layer != self.nxt[i]:
+                raise ValueError(f"stream frame of layer {layer} for key {i}, due {self.nxt[i]}")
+            h = await self._head(sock, i, hlen, off) if layer == 0 else self.heads[i]
+            if h is None or (hlen and layer) or size != h.layer_raw_nbytes:
+                raise ValueError(f"stream frame of key {i} does not fit its header")
+            await self._layer(sock, i, h, layer, size, off)
+        await self._advance()
+
+    async def _head(self, sock: socket.socket, i: int, hlen: int, off: int) -> SegmentHeader:
+        if not 0 < hlen <= MAX_BODY:
+            raise ValueError(f"stream header of {hlen} bytes")
+        h = SegmentHeader.decode(await recv_exactly(sock, hlen))
+        if h.key != self.keys[i] or h.payload_raw_nbytes > self.max_bytes:
+            raise ValueError("stream answered a segment that does not fit the key asked")
+        if off != INLINE:
+            if self.region is None or off + h.payload_raw_nbytes > self.region.size:
+                raise ValueError("stream range outside the region")
+            self.base[i] = off
+            self.released.append(off)
+        self.heads[i] = h
+        self.layers = self.layers or h.num_layers
+        if h.num_layers != self.layers:
+            self._gone(i, "its layer count differs from the stream's", 0)
+        elif not self.sink.open(i, h):
+            self._gone(i, "refused", 0)
+        return h
+
+    async def _layer(
+        self, sock: socket.socket, i: int, h: SegmentHeader, layer: int, size: int, off: int
+    ) -> None:
+        dst = self.sink.into(i, layer) if self.wanted[i] else _buffer(size)
+        if off == INLINE:
+            await recv_into(sock, dst)
+        else:
+            if self.region is None or off != self.base[i] + layer * size:
+                raise ValueError(f"stream range of key {i} layer {layer} is not its own")
+            dst[:] = memoryview(self.region.map)[off : off + size]
+            copied("stream.copy_out", size)
+        self.nxt[i] += 1
+        if self.wanted[i]:
+            if checksum(dst) != h.checksums[layer]:
+                self._gone(i, f"layer {layer}: checksum mismatch", layer)
+            else:
+                self.delivered[layer] += 1
+                self.nbytes += size
+                self.hits += self.nxt[i] == h.num_layers
+        if self.nxt[i] == h.num_layers:
+            self._end(i)
+
+    def _end(self, i: int) -> None:
+        self.nxt[i] = -1
+        self.ended += 1
+
+    def _gone(self, i: int, why: str, at: int) -> None:
+        """The sink drops key i, which delivered layers [0, at)."""
+        self.wanted[i] = False
+        self.sink.drop(i, why)
+        self.gone_at[at] += 1
+
+    async def _advance(self) -> None:
+        """Make ready every layer that each key has delivered or was dropped before."""
+        n = len(self.keys)
+        while self.layers and self.next_ready < self.layers:
+            self.gone += self.gone_at.pop(self.next_ready, 0)
+            if self.delivered[self.next_ready] + self.gone < n:
+                return
+            if self.delivered[self.next_ready]:
+                await self.sink.ready(self.next_ready)
+            self.next_ready += 1

@@ -1,0 +1,232 @@
+"""Layer-major loads of several keys at once: layer 0 of every key, then layer 1, and so on,
+each layer written into the reader's buffers as it arrives.
+
+A reader that injects KV layer by layer (the connector) uses layer l as soon as every key has
+delivered it, while layers l+1.. are still on their way: the forward of layer l overlaps the
+transfer of the layers after it.
+
+Safety contract of every `Tier.stream(keys, ns, sink)`:
+- `sink.open(i, h)` is called at most once per key, with a checked header whose key is
+  keys[i], before any byte of that key is written;
+- a layer's bytes are written only into `sink.into(i, layer)`, decoded, and are checked against
+  the header's layer checksum before `sink.ready(layer)` is awaited;
+- `ready(layer)` is awaited once per layer, in order, after that layer of every key still
+  live is in place; the stream writes nothing of the next layer before it returns;
+- a key missing, refused by `open` or failing midway gets `drop(i, why)` once, and nothing of
+  it is written or made ready afterwards;
+- a tier fault never raises: it drops the keys it touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.header import SegmentHeader
+from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer_bytes
+
+
+class LayerSink(Protocol):
+    def open(self, i: int, header: SegmentHeader) -> bool:
+        """Whether key i's segment is wanted (False drops it)."""
+
+    def into(self, i: int, layer: int) -> memoryview:
+        """Where key i's layer goes, decoded: header.layer_raw_nbytes writable bytes."""
+
+    def drop(self, i: int, why: str) -> None:
+        """Key i is missing or failed; nothing more of it comes."""
+
+    async def ready(self, layer: int) -> None:
+        """Layer `layer` of every key not dropped is in place and checked."""
+
+
+class Layered(Protocol):  # what stream_layers reads: a tier's get_layers
+    header: SegmentHeader
+    layer: int
+    data: memoryview
+
+
+async def stream_layers(
+    get_layers: Callable[[bytes], AsyncIterator[Layered]],
+    keys: Sequence[bytes],
+    sink: LayerSink,
+) -> None:
+    """Any tier's stream, from its per-key `get_layers`: each round advances every live key's
+    reader by one layer, concurrently (Redis GETRANGEs and file reads overlap)."""
+    readers = [get_layers(k) for k in keys]
+    heads: list[SegmentHeader | None] = [None] * len(keys)
+    live, layer = list(range(len(keys))), 0
+    try:
+        while live:
+            got = await asyncio.gather(
+                *(anext(readers[i], None) for i in live), return_exceptions=True
+            )
+            placed = []
+            for i, part in zip(live, got):
+                why = _place(sink, i, keys[i], layer, part, heads)
+                if why is None:
+                    placed.append(i)
+                else:
+                    sink.drop(i, why)
+            if placed:
+                await sink.ready(layer)
+            live = [i for i in placed if layer + 1 < _layers(heads[i])]
+            # Run each finished reader to its end: it books the hit there.
+            await asyncio.gather(
+                *(anext(readers[i], None) for i in placed if i not in live),
+                return_exceptions=True,
+            )
+            layer += 1
+    finally:
+        for r in readers:
+            close = getattr(r, "aclose", None)
+            if close is not None:
+                await close()
+
+
+def _layers(head: SegmentHeader | None) -> int:
+    return 0 if head is None else head.num_layers
+
+
+def _place(
+    sink: LayerSink,
+    i: int,
+    key: bytes,
+    layer: int,
+    part: Layered | BaseException | None,
+    heads: list[SegmentHeader | None],
+) -> str | None:
+    """Write one key's layer where the sink wants it; why not, when it cannot."""
+    if isinstance(part, BaseException):
+        return f"tier error: {part!r}"
+    if part is None:
+        return "miss" if layer == 0 else f"stream ended at layer {layer}"
+    if part.layer != layer:
+        return f"layer {part.layer} came where {layer} was due"
+    if layer == 0:
+        if part.header.key != key:
+            return "the tier answered another key"
+        if not sink.open(i, part.header):
+            heads[i] = None
+            return "refused"
+        heads[i] = part.header
+    head = heads[i]
+    if head is None or part.header is not head and part.header != head:
+        return "the header changed midway"
+    try:
+        sink.into(i, layer)[:] = decode_layer_bytes(head, layer, part.data)
+    except SegmentError as e:
+        return str(e)
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class Merge:
+    """Several sub-streams (one per tier) into one sink: layer l is made ready once every
+    sub-stream has reached it or ended, and each sub-stream waits for that before going on."""
+
+    sink: LayerSink
+    parts: int
+    reached: list[float] = field(default_factory=list)  # per part: last layer ready, inf: ended
+    top: int = -1  # the highest layer any part reached
+    emitted: int = -1
+    flushing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    emitted_up: asyncio.Condition | None = None
+
+    def __post_init__(self) -> None:
+        self.reached = [-1.0] * self.parts
+        self.emitted_up = asyncio.Condition(self.flushing)
+
+    def part(self, j: int, index: list[int]) -> _Part:
+        return _Part(self, j, index)
+
+    async def reach(self, j: int, layer: float) -> None:
+        self.reached[j] = layer
+        if not math.isinf(layer):
+            self.top = max(self.top, int(layer))
+        assert self.emitted_up is not None
+        async with self.emitted_up:
+            while self.emitted < min(min(self.reached), self.top):
+                self.emitted += 1
+                await self.sink.ready(self.emitted)
+                self.emitted_up.notify_all()
+            if not math.isinf(layer):
+                await self.emitted_up.wait_for(lambda: self.emitted >= layer)
+
+
+@dataclass(slots=True, eq=False)
+class _Part:
+    """One sub-stream's sink: its key indexes mapped back to the whole stream's."""
+
+    merge: Merge
+    j: int
+    index: list[int]
+
+    def open(self, i: int, header: SegmentHeader) -> bool:
+        return self.merge.sink.open(self.index[i], header)
+
+    def into(self, i: int, layer: int) -> memoryview:
+        return self.merge.sink.into(self.index[i], layer)
+
+    def drop(self, i: int, why: str) -> None:
+        self.merge.sink.drop(self.index[i], why)
+
+    async def ready(self, layer: int) -> None:
+        await self.merge.reach(self.j, layer)
+
+    async def end(self) -> None:
+        await self.merge.reach(self.j, math.inf)
+
+
+@dataclass(slots=True, eq=False)
+class Keep:
+    """A sink in front of another that remembers where each key's layers went, so that the
+    whole segments can be copied afterwards (a store promotes streamed hits from them)."""
+
+    sink: LayerSink
+    heads: dict[int, SegmentHeader] = field(default_factory=dict)
+    views: dict[int, list[memoryview]] = field(default_factory=dict)
+
+    def open(self, i: int, header: SegmentHeader) -> bool:
+        if not self.sink.open(i, header):
+            return False
+        self.heads[i], self.views[i] = header, []
+        return True
+
+    def into(self, i: int, layer: int) -> memoryview:
+        view = self.sink.into(i, layer)
+        self.views[i].append(view)
+        return view
+
+    def drop(self, i: int, why: str) -> None:
+        self.heads.pop(i, None)
+        self.sink.drop(i, why)
+
+    async def ready(self, layer: int) -> None:
+        await self.sink.ready(layer)
+
+    def complete(self) -> list[int]:
+        """The keys delivered whole."""
+        return [i for i, h in self.heads.items() if len(self.views[i]) == h.num_layers]
+
+    def whole(self) -> list[tuple[int, KVSegment]]:
+        """(key index, an owned copy) of each key delivered whole; call before the sink reuses
+        its buffers."""
+        out = []
+        for i in self.complete():
+            h = self.heads[i]
+            buf = torch.empty(h.payload_raw_nbytes, dtype=torch.uint8).numpy().data
+            n = h.layer_raw_nbytes
+            for layer, view in enumerate(self.views[i]):
+                buf[layer * n : (layer + 1) * n] = view
+            copied("store.keep", h.payload_raw_nbytes)
+            seg = KVSegment.from_raw(h, buf, verify=False)
+            seg.owned = True
+            out.append((i, seg))
+        return out
