@@ -38,6 +38,7 @@ from tierkv.storage_backends.base import (
     check_namespace,
 )
 from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
+from tierkv.storage_backends.stream import LayerSink, stream_whole
 
 log = logging.getLogger("tierkv.remote")
 LOOKUP_BATCH = 1024  # keys per Lookup call in contains()
@@ -211,6 +212,14 @@ class RemoteTier(BaseTier):
                 seg = None
             out.append((seg, seg.nbytes) if seg is not None and seg.key == key else None)
         return out
+
+    async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
+        """The keys' segments by one GetMany stream, then handed over layer by layer: gRPC's
+        per-key streams cost more than the overlap they would buy."""
+        check_namespace(ns)
+        for k in keys:
+            check_key(k)
+        await stream_whole(lambda k: self.get(k, ns), keys, sink)
 
     async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
         req = pb.GetRequest(key=key)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from tierkv.storage_backends.base import (
     TierStats,
     check_namespace,
 )
+from tierkv.storage_backends.redis_stream import stream_values
 from tierkv.storage_backends.segment import (
     PREFIX_NBYTES,
     KVSegment,
@@ -39,6 +40,7 @@ from tierkv.storage_backends.segment import (
     SegmentHeader,
     decode_layer,
 )
+from tierkv.storage_backends.stream import LayerSink
 
 log = logging.getLogger("tierkv.redis")
 # Redis unreachable or too slow: these start a backoff. Other RedisErrors are one refused call.
@@ -174,6 +176,10 @@ class RedisTier(BaseTier):
             await self._corrupt(name, e)
             return None
         return seg, len(value)
+
+    async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
+        """Pipelined GETRANGEs: the headers, then one round per layer (redis_stream)."""
+        await stream_values(self, keys, ns, sink)
 
     async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
         name = self._name(ns, key)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,6 +88,34 @@ async def stream_layers(
             close = getattr(r, "aclose", None)
             if close is not None:
                 await close()
+
+
+async def stream_whole(
+    get: Callable[[bytes], Awaitable[KVSegment | None]], keys: Sequence[bytes], sink: LayerSink
+) -> None:
+    """A stream from whole-segment gets, all at once (a tier whose reads batch, like gRPC's
+    GetMany): no layer is ready before every key has arrived, but nothing is asked twice.
+    `get` returns checked segments."""
+    got = await asyncio.gather(*(get(k) for k in keys), return_exceptions=True)
+    live = []
+    for i, seg in enumerate(got):
+        if isinstance(seg, BaseException):
+            sink.drop(i, f"tier error: {seg!r}")
+        elif seg is None:
+            sink.drop(i, "miss")
+        elif seg.key != keys[i]:
+            sink.drop(i, "the tier answered another key")
+        elif sink.open(i, seg.header()):
+            live.append(i)
+        else:
+            sink.drop(i, "refused")
+    for layer in range(max((got[i].num_layers for i in live), default=0)):  # type: ignore[union-attr]
+        placed = [i for i in live if layer < got[i].num_layers]  # type: ignore[union-attr]
+        for i in placed:
+            part = got[i].layer(layer)  # type: ignore[union-attr]
+            sink.into(i, layer)[:] = part.contiguous().reshape(-1).view(torch.uint8).numpy().data
+            copied("stream.whole", part.numel() * part.element_size())
+        await sink.ready(layer)
 
 
 def _layers(head: SegmentHeader | None) -> int:

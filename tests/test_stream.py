@@ -300,3 +300,23 @@ def test_inline_streams_take_memory_from_the_budget_and_give_it_back() -> None:
         asyncio.run(run())
     finally:
         server.stop(kill=True)
+
+
+async def test_redis_gone_midway_drops_the_keys_without_raising(redis_proc) -> None:
+    redis = RedisTier(RedisTierConfig(url=redis_proc.url, timeout_s=0.5))
+    segs = [segment(i) for i in range(4)]
+    for s in segs:
+        assert await redis.put(s.key, s)
+    sink = Sink(4)
+
+    async def kill_after_first(layer: int) -> None:
+        if layer == 0:
+            redis_proc.stop(kill=True)
+
+    sink.on_ready = kill_after_first
+    await redis.stream([s.key for s in segs], "default", sink)
+    assert [r for r, _ in sink.ready_at] == [0]
+    assert sorted(sink.dropped) == [0, 1, 2, 3]
+    assert all(why.startswith("tier error") for why in sink.dropped.values())
+    assert redis.stats().errors >= 1
+    await redis.close()
