@@ -49,6 +49,7 @@ class Outbound:
     region: Region | None
     ranges: RangeAllocator
     inflight: Inflight
+    checks: bool = True  # the client checks every layer it receives (Inbound)
     heads: dict[int, SegmentHeader] = field(default_factory=dict)
     base: dict[int, int] = field(default_factory=dict)  # key -> its range in the region
     bufs: dict[int, memoryview] = field(default_factory=dict)  # key -> its inline layer buffer

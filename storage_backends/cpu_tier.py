@@ -28,7 +28,7 @@ from tierkv.storage_backends.segment import (
     decode_layer,
     decode_layer_bytes,
 )
-from tierkv.storage_backends.stream import LayerSink
+from tierkv.storage_backends.stream import LayerSink, reader_checks
 
 
 @dataclass(slots=True)
@@ -122,7 +122,8 @@ class CpuTier(IndexedTier[CpuEntry]):
 
     async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
         """Layer-major, each layer gathered from the pages straight into the sink's buffer and
-        checked there (whatever verify_gets says: the stream's contract)."""
+        checked there, unless the reader checks it next (`reader_checks`) and verify_gets is
+        off."""
         check_namespace(ns)
         entries = [self.index.get((ns, check_key(k))) for k in keys]
         live = []
@@ -163,9 +164,10 @@ class CpuTier(IndexedTier[CpuEntry]):
         off, n = h.layers[layer]
         dst = sink.into(i, layer)
         try:
-            if h.codec == "none":  # checked always: a stream hands out no unchecked layer
+            if h.codec == "none":
                 self._gather(e, off, off + n, dst)
-                if checksum(dst) != h.checksums[layer]:
+                check = self.config.verify_gets or not reader_checks(sink)
+                if check and checksum(dst) != h.checksums[layer]:
                     raise SegmentError(f"layer {layer}: checksum mismatch")
             else:
                 scratch = memoryview(bytearray(n))

@@ -33,6 +33,10 @@ from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_laye
 
 
 class LayerSink(Protocol):
+    # Optional attribute `checks = True`: whoever reads the layers next checks each checksum
+    # itself (a server sending to its client), so a memory tier may skip its own check of
+    # bytes it holds (disk and Redis bytes are checked always). See `reader_checks`.
+
     def open(self, i: int, header: SegmentHeader) -> bool:
         """Whether key i's segment is wanted (False drops it)."""
 
@@ -44,6 +48,10 @@ class LayerSink(Protocol):
 
     async def ready(self, layer: int) -> None:
         """Layer `layer` of every key not dropped is in place and checked."""
+
+
+def reader_checks(sink: LayerSink) -> bool:
+    return bool(getattr(sink, "checks", False))
 
 
 class Layered(Protocol):  # what stream_layers reads: a tier's get_layers
@@ -196,6 +204,10 @@ class _Part:
     j: int
     index: list[int]
 
+    @property
+    def checks(self) -> bool:
+        return reader_checks(self.merge.sink)
+
     def open(self, i: int, header: SegmentHeader) -> bool:
         return self.merge.sink.open(self.index[i], header)
 
@@ -220,6 +232,10 @@ class Keep:
     sink: LayerSink
     heads: dict[int, SegmentHeader] = field(default_factory=dict)
     views: dict[int, list[memoryview]] = field(default_factory=dict)
+
+    @property
+    def checks(self) -> bool:
+        return reader_checks(self.sink)
 
     def open(self, i: int, header: SegmentHeader) -> bool:
         if not self.sink.open(i, header):
