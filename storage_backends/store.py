@@ -274,7 +274,15 @@ class TieredStore(Tier):
             for k, seg in keep.whole() if self.config.promote and t else []:
                 await self._promote(keys[index[k]], seg, ns, t, None)
 
-        await asyncio.gather(*(run(j, t, idx) for j, (t, idx) in enumerate(groups.items())))
+        # Every part runs to its end before an error is raised: none may write into the sink's
+        # buffers after this returns.
+        done = await asyncio.gather(
+            *(run(j, t, idx) for j, (t, idx) in enumerate(groups.items())),
+            return_exceptions=True,
+        )
+        errors = [e for e in done if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
         self._stats.hits += hits
         self._stats.misses += len(keys) - hits
         return ["" if w is None else self.tiers[w].name for w in where]

@@ -174,6 +174,7 @@ class Merge:
     emitted: int = -1
     flushing: asyncio.Lock = field(default_factory=asyncio.Lock)
     emitted_up: asyncio.Condition | None = None
+    failed: BaseException | None = None  # what the sink's ready raised, once it did
 
     def __post_init__(self) -> None:
         self.reached = [-1.0] * self.parts
@@ -183,17 +184,27 @@ class Merge:
         return _Part(self, j, index)
 
     async def reach(self, j: int, layer: float) -> None:
+        """Part j made `layer` ready (inf: it ended); returns once the merged stream has made it
+        ready. An exception of the sink's ready reaches every part waiting."""
         self.reached[j] = layer
         if not math.isinf(layer):
             self.top = max(self.top, int(layer))
-        assert self.emitted_up is not None
-        async with self.emitted_up:
-            while self.emitted < min(min(self.reached), self.top):
-                self.emitted += 1
-                await self.sink.ready(self.emitted)
-                self.emitted_up.notify_all()
+        cond = self.emitted_up
+        assert cond is not None
+        async with cond:
+            try:
+                while self.failed is None and self.emitted < min(min(self.reached), self.top):
+                    self.emitted += 1
+                    await self.sink.ready(self.emitted)
+                    cond.notify_all()
+            except BaseException as e:
+                self.failed = e
+                cond.notify_all()
+                raise
             if not math.isinf(layer):
-                await self.emitted_up.wait_for(lambda: self.emitted >= layer)
+                await cond.wait_for(lambda: self.failed is not None or self.emitted >= layer)
+                if self.failed is not None:
+                    raise self.failed
 
 
 @dataclass(slots=True, eq=False)

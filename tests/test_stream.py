@@ -320,3 +320,31 @@ async def test_redis_gone_midway_drops_the_keys_without_raising(redis_proc) -> N
     assert all(why.startswith("tier error") for why in sink.dropped.values())
     assert redis.stats().errors >= 1
     await redis.close()
+
+
+async def test_a_sink_that_stops_stops_every_tier(redis_proc) -> None:
+    """The connector's sink raises when its job is cancelled: the store's stream raises that,
+    after every tier's part ended, and nothing is written after it."""
+    tiers = [
+        CpuTier(CpuTierConfig(capacity_bytes="16MiB")),
+        RedisTier(RedisTierConfig(url=redis_proc.url)),
+    ]
+    store = TieredStore(tiers, StoreConfig(promote=False))
+    segs = [segment(i) for i in range(6)]
+    for s, t in zip(segs, tiers * 3):
+        assert await t.put(s.key, s)
+    sink = Sink(6)
+
+    class Cancelled(Exception):
+        pass
+
+    async def stop(layer: int) -> None:
+        if layer == 1:
+            sink.into = None  # any write from here on fails the test
+            raise Cancelled
+
+    sink.on_ready = stop
+    with pytest.raises(Cancelled):
+        await asyncio.wait_for(store.stream([s.key for s in segs], "default", sink), 10)
+    assert [r for r, _ in sink.ready_at] == [0, 1]
+    await store.close()
