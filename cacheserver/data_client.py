@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,14 @@ from typing import Any
 
 from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_session import Elsewhere, Session, Want, handshake
+from tierkv.cacheserver.conn import Conn, tls_context
+from tierkv.cacheserver.data_session import (
+    Elsewhere,
+    Session,
+    Want,
+    handshake_tcp,
+    handshake_unix,
+)
 from tierkv.cacheserver.shm import MAX_KEYS, Region
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.base import check_key, check_namespace
@@ -28,7 +36,7 @@ from tierkv.storage_backends.segment import KVSegment, SegmentError
 from tierkv.storage_backends.stream import LayerSink
 
 log = logging.getLogger("tierkv.remote")
-FAULTS = (OSError, EOFError, ValueError, SegmentError, asyncio.TimeoutError)
+FAULTS = (OSError, EOFError, ValueError, SegmentError, asyncio.TimeoutError, ssl.SSLError)
 
 
 @dataclass(slots=True, eq=False)
@@ -52,18 +60,19 @@ class DataTier(RemoteTier):
         )
         if r is None:
             return None
+        loop, token = asyncio.get_running_loop(), self.token or ""
         if self.shared_memory and r.unix_socket:
-            where: str | tuple[str, int] = r.unix_socket
-        elif r.tcp_port:
-            where = (self.target.rsplit(":", 1)[0].strip("[]"), r.tcp_port)
-        else:
-            return None
-        loop = asyncio.get_running_loop()
-        sock, fd = await loop.run_in_executor(
-            None, handshake, where, self.token or "", self.timeout_s
-        )
-        sock.setblocking(False)
-        return Session(sock, None if fd is None else Region.attach(fd), self.max_segment_bytes)
+            sock, fd = await loop.run_in_executor(
+                None, handshake_unix, r.unix_socket, token, self.timeout_s
+            )
+            conn = await Conn.open(sock, None, False)
+            return Session(conn, Region.attach(fd), self.max_segment_bytes)
+        if r.tcp_port:
+            host = self.target.rsplit(":", 1)[0].strip("[]")
+            tls = None if self.tls_ca is None else tls_context(self.tls_ca)
+            conn = await handshake_tcp(host, r.tcp_port, token, self.timeout_s, tls)
+            return Session(conn, None, self.max_segment_bytes)
+        return None
 
     async def _session_up(self) -> Session | None:
         """The session, opened on first use (the first calls arrive together: one session)."""

@@ -9,13 +9,13 @@ they arrive, and stores them only once the whole segment checks out."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import struct
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from tierkv.cacheserver.conn import Conn
 from tierkv.cacheserver.data_stream import Outbound
 from tierkv.cacheserver.frames import BadRequest
 from tierkv.cacheserver.receive import Inflight
@@ -29,8 +29,6 @@ from tierkv.cacheserver.shm import (
     RangeAllocator,
     Region,
     pack,
-    recv_exactly,
-    recv_into,
 )
 from tierkv.storage_backends.base import KEY_NBYTES, IndexedTier, MiB
 from tierkv.storage_backends.copies import copied
@@ -107,29 +105,29 @@ async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, b
 
 
 async def get_inline(
-    store: TieredStore, counts: Counts, conn: socket.socket, s: Session, count: int, body: bytes
+    store: TieredStore, counts: Counts, conn: Conn, s: Session, count: int, body: bytes
 ) -> None:
     """A GET over TCP: OK, then per key its REPLY, header and payload, one key at a time (the
     server holds one segment per session, however many keys a GET names)."""
     keys = keys_of(count, body)
-    await sendall(conn, pack(OK, count))
+    await conn.sendall(pack(OK, count))
     for key in keys:
         seg, where = await store.get_from(key, s.ns)
         if seg is None:
             counts.count_get(s.ns, "", 0)
-            await sendall(conn, REPLY.pack(0, 0, 0))
+            await conn.sendall(REPLY.pack(0, 0, 0))
             continue
         head = seg.header().encode()
         raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
-        await sendall(conn, REPLY.pack(0, len(raw), len(head)) + head)
-        await sendall(conn, raw)
+        await conn.sendall(REPLY.pack(0, len(raw), len(head)) + head)
+        await conn.sendall(raw)
         counts.count_get(s.ns, where, len(raw))
 
 
 async def stream(
     store: TieredStore,
     counts: Counts,
-    conn: socket.socket,
+    conn: Conn,
     s: Session,
     count: int,
     body: bytes,
@@ -137,7 +135,7 @@ async def stream(
 ) -> None:
     """A STREAM: OK, then the store's layer-major stream of the keys as frames (Outbound)."""
     keys = keys_of(count, body)
-    await sendall(conn, pack(OK, count))
+    await conn.sendall(pack(OK, count))
     out = Outbound(conn, s.region, s.ranges, inflight)
     try:
         where = await store.stream_from(keys, s.ns, out)
@@ -152,7 +150,7 @@ async def stream(
 async def put(
     store: TieredStore,
     counts: Counts,
-    conn: socket.socket,
+    conn: Conn,
     s: Session,
     body: bytes,
     max_segment_bytes: int,
@@ -175,7 +173,7 @@ async def put(
             except BadRequest as e:
                 raise Busy(e.message) from None
             taken += step
-            await recv_into(conn, buf[taken - step : taken])
+            await conn.recv_into(buf[taken - step : taken])
         try:
             seg = KVSegment.decode(buf, verify=True)
         except SegmentError as e:
@@ -196,12 +194,8 @@ def keys_of(count: int, body: bytes) -> list[bytes]:
     return [body[i * KEY_NBYTES : (i + 1) * KEY_NBYTES] for i in range(count)]
 
 
-async def recv_request(conn: socket.socket) -> tuple[int, int, bytes]:
-    op, count, n = HEAD.unpack(await recv_exactly(conn, HEAD.size))
+async def recv_request(conn: Conn) -> tuple[int, int, bytes]:
+    op, count, n = HEAD.unpack(await conn.recv_exactly(HEAD.size))
     if n > MAX_BODY:
         raise Refused(f"request body of {n} bytes exceeds {MAX_BODY}")
-    return op, count, await recv_exactly(conn, n) if n else b""
-
-
-async def sendall(conn: socket.socket, data: bytes | memoryview) -> None:
-    await asyncio.get_running_loop().sock_sendall(conn, data)
+    return op, count, await conn.recv_exactly(n) if n else b""

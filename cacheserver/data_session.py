@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tierkv.cacheserver.conn import Conn
 from tierkv.cacheserver.data_stream import Inbound
 from tierkv.cacheserver.shm import (
     FRAME,
@@ -32,8 +34,6 @@ from tierkv.cacheserver.shm import (
     STREAM,
     Region,
     pack,
-    recv_exactly,
-    recv_into,
 )
 from tierkv.storage_backends.buffers import copy_into, out_view
 from tierkv.storage_backends.copies import copied
@@ -55,25 +55,16 @@ class Want:
     out: Any  # the caller's destination for the payload, or None
 
 
-def handshake(
-    where: str | tuple[str, int], token: str, timeout_s: float
-) -> tuple[socket.socket, int | None]:
-    """Connect to a Unix socket path or a (host, port), authenticate, and receive the region's
-    fd (none over TCP). Blocking: run it in a thread."""
-    if isinstance(where, tuple):
-        sock = socket.create_connection(where, timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    else:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def handshake_unix(path: str, token: str, timeout_s: float) -> tuple[socket.socket, int]:
+    """Connect to the server's Unix socket, authenticate, and receive the region's fd.
+    Blocking: run it in a thread."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout_s)
-        if isinstance(where, str):
-            sock.connect(where)
+        sock.connect(path)
         sock.sendall(pack(HELLO, 0, token.encode()))
         msg, fds, _, _ = socket.recv_fds(sock, HEAD.size + 1024, 1)
         code, _, n = HEAD.unpack_from(msg)
-        if code == OK and isinstance(where, tuple) and not fds:
-            return sock, None
         if code != OK or len(fds) != 1:
             for fd in fds:
                 socket.close(fd)
@@ -85,16 +76,37 @@ def handshake(
         raise
 
 
+async def handshake_tcp(
+    host: str, port: int, token: str, timeout_s: float, tls: ssl.SSLContext | None
+) -> Conn:
+    """Connect to the server's TCP data port (TLS when tls is given) and authenticate."""
+    loop = asyncio.get_running_loop()
+    sock = await loop.run_in_executor(None, socket.create_connection, (host, port), timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = await asyncio.wait_for(Conn.open(sock, tls, False, host), timeout_s)
+        await conn.sendall(pack(HELLO, 0, token.encode()))
+        code, _, n = HEAD.unpack(await asyncio.wait_for(conn.recv_exactly(HEAD.size), timeout_s))
+        body = await conn.recv_exactly(min(n, MAX_BODY)) if n else b""
+        if code != OK:
+            why = body.decode(errors="replace")
+            raise ConnectionError(f"data plane refused the session: {why}")
+        return conn
+    except BaseException:
+        sock.close()
+        raise
+
+
 @dataclass(slots=True, eq=False)
 class Session:
-    sock: socket.socket  # non-blocking
+    conn: Conn
     region: Region | None  # None: over TCP, each payload follows its reply
     max_bytes: int  # largest payload accepted from the server
     released: list[int] = field(default_factory=list)  # offsets to release with the next GET
     io: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def close(self) -> None:
-        self.sock.close()
+        self.conn.close()
         if self.region is not None:
             self.region.close()
 
@@ -102,14 +114,13 @@ class Session:
         """Send the encoded segment from its own bytes (the kernel's copy only); whether the
         server stored it."""
         h, head, blobs = seg.encode_parts()
-        loop = asyncio.get_running_loop()
         async with self.io:
-            await loop.sock_sendall(self.sock, pack(PUT, 1, key + struct.pack("<Q", h.nbytes)))
-            await loop.sock_sendall(self.sock, head)
+            await self.conn.sendall(pack(PUT, 1, key + struct.pack("<Q", h.nbytes)))
+            await self.conn.sendall(head)
             for blob in blobs:
-                await loop.sock_sendall(self.sock, memoryview(blob).cast("B"))
-            code, stored, n = HEAD.unpack(await recv_exactly(self.sock, HEAD.size))
-            why = await recv_exactly(self.sock, min(n, MAX_BODY)) if n else b""
+                await self.conn.sendall(memoryview(blob).cast("B"))
+            code, stored, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
+            why = await self.conn.recv_exactly(min(n, MAX_BODY)) if n else b""
         if code != OK:
             raise ConnectionError(f"data plane refused the put ({code}): {why!r}")
         return bool(stored)
@@ -117,14 +128,13 @@ class Session:
     async def get(self, batch: list[Want]) -> list[Got]:
         """One GET of every key in batch; the answers in order."""
         msg = pack(GET, len(batch), b"".join(w.key for w in batch))
-        loop = asyncio.get_running_loop()
         async with self.io:
             msg = self._releasing() + msg
-            await loop.sock_sendall(self.sock, msg)
-            code, count, n = HEAD.unpack(await recv_exactly(self.sock, HEAD.size))
+            await self.conn.sendall(msg)
+            code, count, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
             if n > len(batch) * (REPLY.size + MAX_BODY):
                 raise ValueError(f"data plane reply of {n} bytes for {len(batch)} keys")
-            body = memoryview(await recv_exactly(self.sock, n))
+            body = memoryview(await self.conn.recv_exactly(n))
             if code != OK or count != len(batch):
                 raise ValueError(f"data plane answered {code}: {bytes(body[:200])!r}")
             if self.region is None:
@@ -136,18 +146,17 @@ class Session:
         caller drops every key still open, `Inbound.fail`)."""
         got = Inbound(keys, sink, self.region, self.max_bytes)
         msg = pack(STREAM, len(keys), b"".join(keys))
-        loop = asyncio.get_running_loop()
         async with self.io:
             msg = self._releasing() + msg
             try:
-                await loop.sock_sendall(self.sock, msg)
-                code, count, n = HEAD.unpack(await recv_exactly(self.sock, HEAD.size))
+                await self.conn.sendall(msg)
+                code, count, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
                 if code != OK or count != len(keys) or n:
-                    why = await recv_exactly(self.sock, min(n, MAX_BODY)) if n else b""
+                    why = await self.conn.recv_exactly(min(n, MAX_BODY)) if n else b""
                     raise ValueError(f"data plane answered {code} to a stream: {why[:200]!r}")
                 while not got.finished:
-                    frame = FRAME.unpack(await recv_exactly(self.sock, FRAME.size))
-                    await got.frame(self.sock, *frame)
+                    frame = FRAME.unpack(await self.conn.recv_exactly(FRAME.size))
+                    await got.frame(self.conn, *frame)
             except BaseException as e:
                 got.fail(f"data plane stream failed: {e!r}")
                 raise
@@ -205,17 +214,17 @@ class Session:
     async def _inline(self, w: Want) -> Got:
         """One key's answer over TCP: REPLY, header and payload, received straight into the
         segment's buffer (or the caller's `out`), then checked."""
-        _, size, hlen = REPLY.unpack(await recv_exactly(self.sock, REPLY.size))
+        _, size, hlen = REPLY.unpack(await self.conn.recv_exactly(REPLY.size))
         if size == 0:
             return None
         if size > self.max_bytes or not 0 < hlen <= MAX_BODY:
             raise ValueError(f"data plane announced {size} payload and {hlen} header bytes")
-        h = SegmentHeader.decode(await recv_exactly(self.sock, hlen))
+        h = SegmentHeader.decode(await self.conn.recv_exactly(hlen))
         if h.key != w.key or h.payload_raw_nbytes != size:
             raise ValueError("data plane answered a payload that does not fit the segment")
         into = None if w.out is None else out_view(w.out, size)
         buf = torch.empty(size, dtype=torch.uint8).numpy().data if into is None else into
-        await recv_into(self.sock, buf)
+        await self.conn.recv_into(buf)
         try:
             seg = KVSegment.from_raw(h, buf, verify=True)
             if w.out is not None and into is None:  # a device tensor

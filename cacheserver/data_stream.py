@@ -11,14 +11,13 @@ does not fit raises (the caller drops the session); a layer whose checksum fails
 
 from __future__ import annotations
 
-import asyncio
-import socket
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from tierkv.cacheserver.conn import Conn
 from tierkv.cacheserver.frames import BadRequest
 from tierkv.cacheserver.receive import Inflight
 from tierkv.cacheserver.shm import (
@@ -27,8 +26,6 @@ from tierkv.cacheserver.shm import (
     MAX_BODY,
     RangeAllocator,
     Region,
-    recv_exactly,
-    recv_into,
 )
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
@@ -45,7 +42,7 @@ class Outbound:
     """The server's sink for one STREAM: each key's layers go into its range of the region, or
     (over TCP, or when the region is full) into a layer buffer sent after its frame."""
 
-    conn: socket.socket
+    conn: Conn
     region: Region | None
     ranges: RangeAllocator
     inflight: Inflight
@@ -115,16 +112,16 @@ class Outbound:
         await self._send(out)
 
     async def _send(self, parts: list[bytes | memoryview]) -> None:
-        loop, small = asyncio.get_running_loop(), b""
+        small = b""
         for part in parts:  # frames joined; each inline layer sent from its own buffer
             if isinstance(part, bytes):
                 small += part
                 continue
-            await loop.sock_sendall(self.conn, small)
-            await loop.sock_sendall(self.conn, part)
+            await self.conn.sendall(small)
+            await self.conn.sendall(part)
             small = b""
         if small:
-            await loop.sock_sendall(self.conn, small)
+            await self.conn.sendall(small)
 
     def close(self) -> None:
         self.inflight.give(self.taken)
@@ -168,27 +165,27 @@ class Inbound:
             if self.wanted[i] and self.nxt[i] >= 0:
                 self._gone(i, why, self.nxt[i])
 
-    async def frame(self, sock: socket.socket, i: int, layer: int, hlen: int, size: int, off: int):
+    async def frame(self, conn: Conn, i: int, layer: int, hlen: int, size: int, off: int):
         if not 0 <= i < len(self.keys) or self.nxt[i] < 0:
             raise ValueError(f"stream frame for key {i}, which is not open")
         if size == 0:  # dropped by the server
-            why = await recv_exactly(sock, min(hlen, MAX_BODY)) if hlen else b""
+            why = await conn.recv_exactly(min(hlen, MAX_BODY)) if hlen else b""
             if self.wanted[i]:
                 self._gone(i, why.decode(errors="replace") or "dropped", self.nxt[i])
             self._end(i)
         else:
             if layer != self.nxt[i]:
                 raise ValueError(f"stream frame of layer {layer} for key {i}, due {self.nxt[i]}")
-            h = await self._head(sock, i, hlen, off) if layer == 0 else self.heads[i]
+            h = await self._head(conn, i, hlen, off) if layer == 0 else self.heads[i]
             if h is None or (hlen and layer) or size != h.layer_raw_nbytes:
                 raise ValueError(f"stream frame of key {i} does not fit its header")
-            await self._layer(sock, i, h, layer, size, off)
+            await self._layer(conn, i, h, layer, size, off)
         await self._advance()
 
-    async def _head(self, sock: socket.socket, i: int, hlen: int, off: int) -> SegmentHeader:
+    async def _head(self, conn: Conn, i: int, hlen: int, off: int) -> SegmentHeader:
         if not 0 < hlen <= MAX_BODY:
             raise ValueError(f"stream header of {hlen} bytes")
-        h = SegmentHeader.decode(await recv_exactly(sock, hlen))
+        h = SegmentHeader.decode(await conn.recv_exactly(hlen))
         if h.key != self.keys[i] or h.payload_raw_nbytes > self.max_bytes:
             raise ValueError("stream answered a segment that does not fit the key asked")
         if off != INLINE:
@@ -205,11 +202,11 @@ class Inbound:
         return h
 
     async def _layer(
-        self, sock: socket.socket, i: int, h: SegmentHeader, layer: int, size: int, off: int
+        self, conn: Conn, i: int, h: SegmentHeader, layer: int, size: int, off: int
     ) -> None:
         dst = self.sink.into(i, layer) if self.wanted[i] else _buffer(size)
         if off == INLINE:
-            await recv_into(sock, dst)
+            await conn.recv_into(dst)
         else:
             if self.region is None or off != self.base[i] + layer * size:
                 raise ValueError(f"stream range of key {i} layer {layer} is not its own")

@@ -15,13 +15,15 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierkv.cacheserver import data_ops as ops
 from tierkv.cacheserver.auth import Auth
-from tierkv.cacheserver.data_ops import Busy, Refused, Session, recv_request, sendall
+from tierkv.cacheserver.conn import Conn
+from tierkv.cacheserver.data_ops import Busy, Refused, Session, recv_request
 from tierkv.cacheserver.receive import Inflight
 from tierkv.cacheserver.shm import (
     ALIGN,
@@ -54,6 +56,8 @@ class DataPlane:
     counts: ops.Counts  # per-namespace gets and puts, reported by Stats as gRPC's are
     max_segment_bytes: int  # the largest segment a PUT may carry
     tcp: tuple[str, int] | None = None  # (host, port) of the TCP data port; None: off
+    tls: ssl.SSLContext | None = None  # the TCP port's TLS (the gRPC port's certificate)
+    handshake_s: float = 10.0  # a TCP session's TLS handshake and HELLO must end within this
     tcp_port: int = 0  # the TCP port bound, once started
     sessions: set[Session] = field(default_factory=set)
     _listeners: list[socket.socket] = field(default_factory=list)
@@ -85,11 +89,11 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
         while True:
-            conn, _ = await loop.sock_accept(listener)
-            conn.setblocking(False)
+            sock, _ = await loop.sock_accept(listener)
+            sock.setblocking(False)
             if not shm:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = asyncio.ensure_future(self._serve(conn, shm))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = asyncio.ensure_future(self._serve(sock, shm))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
 
@@ -106,10 +110,12 @@ class DataPlane:
                 s.region.close()
         self.sessions.clear()
 
-    async def _serve(self, conn: socket.socket, shm: bool) -> None:
-        session = None
+    async def _serve(self, sock: socket.socket, shm: bool) -> None:
+        session, conn = None, Conn(sock)
         try:
-            session = await self._hello(conn, shm)
+            tls = None if shm else self.tls
+            conn = await asyncio.wait_for(Conn.open(sock, tls, True), self.handshake_s)
+            session = await asyncio.wait_for(self._hello(conn, shm), self.handshake_s)
             if session is None:
                 return
             while True:
@@ -125,9 +131,8 @@ class DataPlane:
                 elif op == GET and session.region is None:
                     await ops.get_inline(self.store, self.counts, conn, session, count, body)
                 elif op == GET:
-                    await sendall(
-                        conn,
-                        await ops.get_into_region(self.store, self.counts, session, count, body),
+                    await conn.sendall(
+                        await ops.get_into_region(self.store, self.counts, session, count, body)
                     )
                 elif op == STREAM:
                     await ops.stream(
@@ -143,18 +148,18 @@ class DataPlane:
                         self.max_segment_bytes,
                         self.inflight,
                     )
-                    await sendall(conn, reply)
+                    await conn.sendall(reply)
                 else:
                     raise Refused(f"unknown op {op} (count {count})")
         except (Refused, ValueError) as e:
             log.warning("data plane session refused: %s", e)
             with contextlib.suppress(OSError):
-                await sendall(conn, pack(BAD_REQUEST, 0, str(e).encode()[:1024]))
+                await conn.sendall(pack(BAD_REQUEST, 0, str(e).encode()[:1024]))
         except Busy as e:
             with contextlib.suppress(OSError):
-                await sendall(conn, pack(BUSY, 0, str(e).encode()[:1024]))
-        except (ConnectionError, EOFError, OSError):
-            pass  # the client went away, perhaps killed: its region goes with it
+                await conn.sendall(pack(BUSY, 0, str(e).encode()[:1024]))
+        except (ConnectionError, EOFError, OSError, ssl.SSLError, asyncio.TimeoutError):
+            pass  # the client went away (perhaps killed: its region goes with it), or failed TLS
         finally:
             conn.close()
             if session is not None:
@@ -162,32 +167,32 @@ class DataPlane:
                 if session.region is not None:
                     session.region.close()
 
-    async def _hello(self, conn: socket.socket, shm: bool) -> Session | None:
+    async def _hello(self, conn: Conn, shm: bool) -> Session | None:
         op, _, body = await recv_request(conn)
         if op != HELLO:
             raise Refused("the first message must be HELLO")
         ns = self.auth.of_token(body.decode(errors="replace"))
         if ns is None:
-            await sendall(conn, pack(UNAUTHENTICATED, 0, b"missing or invalid bearer token"))
+            await conn.sendall(pack(UNAUTHENTICATED, 0, b"missing or invalid bearer token"))
             return None
         if len(self.sessions) >= self.max_sessions:
-            await sendall(conn, pack(BAD_REQUEST, 0, b"too many data plane sessions"))
+            await conn.sendall(pack(BAD_REQUEST, 0, b"too many data plane sessions"))
             return None
         if not shm:
             session = Session(ns, None, RangeAllocator(ALIGN))
             self.sessions.add(session)
-            await sendall(conn, pack(OK, 0, struct.pack("<Q", 0)))
+            await conn.sendall(pack(OK, 0, struct.pack("<Q", 0)))
             return session
         region = Region.create(self.region_bytes)
         session = Session(ns, region, RangeAllocator(region.size))
         self.sessions.add(session)
         msg = pack(OK, 0, struct.pack("<Q", region.size))
         fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [region.fd]))]
-        conn.setblocking(True)  # one small message with the fd; then back to non-blocking
+        conn.sock.setblocking(True)  # one small message with the fd; then back to non-blocking
         try:
-            conn.sendmsg([msg], fds)
+            conn.sock.sendmsg([msg], fds)
         finally:
-            conn.setblocking(False)
+            conn.sock.setblocking(False)
             region.close_fd()  # the client has its own; the mapping keeps the memory
         return session
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,14 +98,18 @@ class Server:
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), srv
         )
         addr = f"{config.host}:{config.port}"
+        tls = None
         if config.tls_cert:
             with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
                 creds = grpc.ssl_server_credentials([(k.read(), c.read())])
             port = srv.add_secure_port(addr, creds)
+            # The TCP data port speaks TLS with the same certificate.
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(config.tls_cert, config.tls_key)
         else:
             port = srv.add_insecure_port(addr)
         data, path = None, config.data_socket_path(port)
-        tcp = None if config.data_port < 0 or config.tls_cert else (config.host, config.data_port)
+        tcp = None if config.data_port < 0 else (config.host, config.data_port)
         if path is not None or tcp is not None:
             data = DataPlane(
                 store,
@@ -116,6 +121,7 @@ class Server:
                 servicer,
                 config.max_segment_bytes,
                 tcp,
+                tls,
             )
             await data.start()
             servicer.data_socket = "" if path is None else str(path)

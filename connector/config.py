@@ -101,9 +101,9 @@ def server_tier(
     shared_memory: bool = True,
 ) -> Tier:
     """The tierkv-server at url (grpc://host:port, or grpcs:// with tls_ca), as a tier. Its
-    loads take the server's data plane unless data_plane is False or TLS is on: shared memory
+    loads and saves take the server's data plane unless data_plane is False: shared memory
     with a server on this host (127.0.0.1, localhost, ::1) unless shared_memory is False, its
-    TCP data port otherwise."""
+    TCP data port otherwise (over TLS with grpcs://)."""
     from tierkv.cacheserver.client import RemoteTier
     from tierkv.cacheserver.data_client import DataTier
 
@@ -111,8 +111,9 @@ def server_tier(
     if tls and tls_ca is None:
         raise ValueError("grpcs:// needs tls_ca (the server's CA certificate)")
     target = url.split("://", 1)[1]
-    if tls or not data_plane:
-        return RemoteTier(target=target, token=token, tls_ca=tls_ca if tls else None)
+    ca = tls_ca if tls else None
+    if not data_plane:
+        return RemoteTier(target=target, token=token, tls_ca=ca)
     host = target.rsplit(":", 1)[0].strip("[]")
     local = host in ("127.0.0.1", "localhost", "::1")
-    return DataTier(target=target, token=token, shared_memory=shared_memory and local)
+    return DataTier(target=target, token=token, tls_ca=ca, shared_memory=shared_memory and local)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
+import socket
 from pathlib import Path
 
 import grpc
@@ -16,10 +17,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests.services import ServerProcess
+from tests.test_stream import Sink
 from tierkv.cacheserver import config as cfg
 from tierkv.cacheserver.auth import bearer
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.data_client import DataTier
 from tierkv.cacheserver.frames import put_frames
+from tierkv.cacheserver.shm import HELLO, pack
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment
@@ -210,9 +214,40 @@ def test_cli_bad_flag_exits_with_message(capsys) -> None:
     assert e.value.code == 2 and "cpu_bytes" in capsys.readouterr().err
 
 
-async def test_no_plain_tcp_data_port_beside_tls(tls_server) -> None:
-    """Bulk bytes never travel unencrypted beside a TLS control plane: no TCP data port."""
-    t = tier(tls_server, "token-team-a-0001")
-    r = await t.stub.DataPlane(pb.DataPlaneRequest(), **t._opts())
-    assert r.tcp_port == 0 and r.unix_socket  # the same-host path stays (a 0600 Unix socket)
-    await t.close()
+async def test_the_tcp_data_port_speaks_tls_beside_a_tls_control_plane(tls_server) -> None:
+    """With TLS on, the TCP data port is TLS too (same certificate): loads, streams and saves go
+    through it encrypted, namespaces hold, and a plain client gets no byte of plaintext."""
+    a = DataTier(
+        target=tls_server.target,
+        token="token-team-a-0001",
+        tls_ca=str(tls_server.cert),
+        shared_memory=False,
+    )
+    b = DataTier(
+        target=tls_server.target,
+        token="token-team-b-0002",
+        tls_ca=str(tls_server.cert),
+        shared_memory=False,
+    )
+    kv = torch.randn(4, 2, 64, 2, 64).to(torch.bfloat16)
+    seg = KVSegment.from_tensor(kv, key=b"t" * 16, tokens=list(range(64)), fingerprint=b"f" * 16)
+    assert await a.put(seg.key, seg)
+    got = await a.get(seg.key)
+    assert got is not None and got.verified and torch.equal(got.payload, kv)
+    assert await b.get(seg.key) is None  # another namespace
+    sink = Sink(2)
+    await a.stream([seg.key, b"u" * 16], "default", sink)
+    assert sink.dropped == {1: "miss"} and torch.equal(sink.payload(0), kv)
+    assert a._session is not None and a._session.conn.tls is not None  # over TLS, not gRPC
+    assert a.stats().errors == 0
+    port = (await a.stub.DataPlane(pb.DataPlaneRequest(), **a._opts())).tcp_port
+    await a.close()
+    await b.close()
+    with socket.create_connection(("127.0.0.1", port), 10) as sock:
+        sock.settimeout(10)
+        sock.sendall(pack(HELLO, 0, b"token-team-a-0001"))  # plaintext: not a TLS hello
+        try:
+            reply = sock.recv(4096)
+        except ConnectionResetError:
+            reply = b""
+        assert reply[:1] != b"\x00"  # no session's answer (status OK is 0); at most a TLS alert

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.conn import Conn
 from tierkv.cacheserver.data_client import DataTier
 from tierkv.cacheserver.data_session import Session
 from tierkv.cacheserver.shm import FRAME, HEAD, INLINE, OK
@@ -262,7 +263,7 @@ def test_a_client_checks_every_frame(cut: int, flips: list[tuple[int, int]]) -> 
         theirs.shutdown(socket.SHUT_WR)
         sink = Sink(2)
         try:
-            await Session(ours, None, 1 << 20).stream([s.key for s in segs], sink)
+            await Session(Conn(ours), None, 1 << 20).stream([s.key for s in segs], sink)
         except (ValueError, EOFError, SegmentError, OSError):
             pass
         finally:

@@ -1,0 +1,105 @@
+"""One data plane connection: a non-blocking socket, TLS-wrapped on the TCP port when the server
+has TLS (an `ssl.SSLObject` over memory BIOs: asyncio's sock_* calls take no SSL socket).
+
+Safety contract: `recv_exactly` and `recv_into` return only once every byte asked for arrived
+(EOFError when the peer closes first); with TLS nothing leaves or enters the process
+unencrypted, and a failed handshake raises before any data plane byte is exchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+from tierkv.cacheserver.shm import recv_exactly, recv_into
+
+T = TypeVar("T")
+READ = 256 * 1024  # encrypted bytes taken from the socket per read
+
+
+@dataclass(slots=True, eq=False)
+class Conn:
+    sock: socket.socket  # non-blocking
+    tls: ssl.SSLObject | None = None
+    incoming: ssl.MemoryBIO = field(default_factory=ssl.MemoryBIO)
+    outgoing: ssl.MemoryBIO = field(default_factory=ssl.MemoryBIO)
+
+    @staticmethod
+    async def open(
+        sock: socket.socket, ctx: ssl.SSLContext | None, server_side: bool, host: str | None = None
+    ) -> Conn:
+        """sock as a connection, TLS when ctx is given (the handshake done here)."""
+        sock.setblocking(False)
+        c = Conn(sock)
+        if ctx is not None:
+            c.tls = ctx.wrap_bio(c.incoming, c.outgoing, server_side, host)
+            await c._step(c.tls.do_handshake)
+        return c
+
+    def close(self) -> None:
+        self.sock.close()
+
+    async def _flush(self) -> None:
+        data = self.outgoing.read()
+        if data:
+            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def _fill(self) -> None:
+        data = await asyncio.get_running_loop().sock_recv(self.sock, READ)
+        if not data:
+            raise EOFError("connection closed")
+        self.incoming.write(data)
+
+    async def _step(self, op: Callable[[], T]) -> T:
+        """Run one TLS operation, feeding the socket's bytes in and out until it completes."""
+        while True:
+            try:
+                out = op()
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._fill()
+                continue
+            await self._flush()
+            return out
+
+    async def recv_exactly(self, n: int) -> bytes:
+        if self.tls is None:
+            return await recv_exactly(self.sock, n)
+        buf = bytearray(n)
+        await self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    async def recv_into(self, view: memoryview) -> None:
+        if self.tls is None:
+            return await recv_into(self.sock, view)
+        tls, got = self.tls, 0
+        while got < len(view):
+            rest = view[got:]
+            try:
+                # read(n, buffer) returns a count (typeshed says bytes)
+                k = cast(int, await self._step(functools.partial(tls.read, len(rest), rest)))
+            except ssl.SSLZeroReturnError:
+                k = 0
+            if k == 0:
+                raise EOFError("connection closed")
+            got += k
+
+    async def sendall(self, data: bytes | memoryview) -> None:
+        if self.tls is None:
+            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+            return
+        tls, view, sent = self.tls, memoryview(data).cast("B"), 0
+        while sent < len(view):
+            sent += tls.write(view[sent : sent + READ])
+            await self._flush()
+
+
+def tls_context(ca: str | bytes) -> ssl.SSLContext:
+    """A client context trusting the CA (PEM path or bytes) that signed the server's certificate,
+    as the gRPC channel does."""
+    pem = ca if isinstance(ca, bytes) else open(ca, "rb").read()
+    return ssl.create_default_context(cadata=pem.decode())
