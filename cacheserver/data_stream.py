@@ -215,7 +215,7 @@ class Inbound:
         self.nxt[i] += 1
         if self.wanted[i]:
             if checksum(dst) != h.checksums[layer]:
-                self._gone(i, f"layer {layer}: checksum mismatch", layer)
+                self._gone(i, f"miss: corrupt: layer {layer}: checksum mismatch", layer)
             else:
                 self.delivered[layer] += 1
                 self.nbytes += size

@@ -104,11 +104,11 @@ class Loading:
     def drop(self, i: int, why: str) -> None:
         if why == "refused":  # open() counted and logged it
             return
-        if why == "miss":
+        if why.startswith("miss"):  # absent, or found corrupt by the tier: its miss
             self.stats.load_misses += 1
         elif why.startswith(("tier error", "data plane")):
             self.stats.load_errors += 1
-        else:  # bytes that failed a check, or a segment gone midway
+        else:  # a reply that does not fit what was asked
             self.stats.load_rejected += 1
         self._fail(i, why)
 

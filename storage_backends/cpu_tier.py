@@ -158,7 +158,7 @@ class CpuTier(IndexedTier[CpuEntry]):
         """Layer of key i (entry e) into the sink; False when it was dropped instead."""
         assert e is not None
         if self.index.get((ns, key)) is not e:  # deleted while the stream was away
-            sink.drop(i, "deleted midway")
+            sink.drop(i, "miss: deleted midway")
             return False
         h = e.header
         off, n = h.layers[layer]
@@ -175,7 +175,7 @@ class CpuTier(IndexedTier[CpuEntry]):
                 dst[:] = decode_layer_bytes(h, layer, scratch)
         except SegmentError as err:
             self._corrupt(ns, key)
-            sink.drop(i, str(err))
+            sink.drop(i, f"miss: corrupt: {err}")
             return False
         self._stats.bytes_out += n
         if layer + 1 == h.num_layers:

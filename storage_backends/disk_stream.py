@@ -35,7 +35,7 @@ async def stream_files(tier: DiskTier, keys: Sequence[bytes], ns: str, sink: Lay
             tier._stats.misses += 1
             if e is not None:
                 tier._corrupt(ns, keys[i])
-            sink.drop(i, "miss" if e is None else "file gone or changed")
+            sink.drop(i, "miss" if e is None else "miss: file gone or changed")
         elif sink.open(i, e.header):
             live.append(i)
         else:
@@ -54,7 +54,7 @@ async def stream_files(tier: DiskTier, keys: Sequence[bytes], ns: str, sink: Lay
                     tier._stats.bytes_out += dsts[0].nbytes
                 else:
                     tier._corrupt(ns, keys[i])
-                    sink.drop(i, err)
+                    sink.drop(i, f"miss: corrupt: {err}")
             if placed:
                 await sink.ready(layer)
             layer += 1

@@ -54,19 +54,19 @@ async def stream_values(tier: RedisTier, keys: Sequence[bytes], ns: str, sink: L
                 heads[i] = SegmentHeader.decode(v[:hn])
         except SegmentError as e:
             await tier._corrupt(names[i], e)
-            sink.drop(i, str(e))
+            sink.drop(i, f"miss: corrupt: {e}")
     for (i, _, _), v in zip(longer, await ranges(longer) or [b""] * len(longer)):
         try:
             heads[i] = SegmentHeader.decode(v)
         except SegmentError as e:
-            sink.drop(i, f"tier error: {e}" if not v else str(e))
+            sink.drop(i, f"tier error: {e}" if not v else f"miss: corrupt: {e}")
     live = []
     for i, h in enumerate(heads):
         if h is None:
             continue
         if h.key != keys[i]:
             await tier._corrupt(names[i], SegmentError("stored segment carries another key"))
-            sink.drop(i, "stored segment carries another key")
+            sink.drop(i, "miss: corrupt: stored segment carries another key")
         elif sink.open(i, h):
             live.append(i)
         else:
@@ -91,7 +91,7 @@ async def stream_values(tier: RedisTier, keys: Sequence[bytes], ns: str, sink: L
             except SegmentError as e:  # deleted midway (short), or corrupt
                 if len(data) == h.layers[layer][1]:
                     await tier._corrupt(names[i], e)
-                sink.drop(i, str(e))
+                sink.drop(i, f"miss: {e}")
             except ConnectionError as e:
                 sink.drop(i, f"tier error: {e}")
         if placed:

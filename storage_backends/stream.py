@@ -14,7 +14,10 @@ Safety contract of every `Tier.stream(keys, ns, sink)`:
   live is in place; the stream writes nothing of the next layer before it returns;
 - a key missing, refused by `open` or failing midway gets `drop(i, why)` once, and nothing of
   it is written or made ready afterwards;
-- a tier fault never raises: it drops the keys it touched.
+- a tier fault never raises: it drops the keys it touched. Reasons: "miss", or "miss: ..."
+  for an entry absent, gone midway or found corrupt (the tier's miss, as a get's), "refused"
+  (by `open`), "tier error: ..." (the tier unreachable or failing), anything else for a
+  reply that does not fit what was asked.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def _place(
     if isinstance(part, BaseException):
         return f"tier error: {part!r}"
     if part is None:
-        return "miss" if layer == 0 else f"stream ended at layer {layer}"
+        return "miss" if layer == 0 else f"miss: stream ended at layer {layer}"
     if part.layer != layer:
         return f"layer {part.layer} came where {layer} was due"
     if layer == 0:
@@ -158,7 +161,7 @@ def _place(
     try:
         sink.into(i, layer)[:] = decode_layer_bytes(head, layer, part.data)
     except SegmentError as e:
-        return str(e)
+        return f"miss: corrupt: {e}"
     return None
 
 

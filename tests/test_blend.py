@@ -253,7 +253,9 @@ def test_corrupt_segment_is_computed_not_blended(ckpt) -> None:
             use_tqdm=False,
         )[0]
         assert out.token_ids == cold.token_ids  # nothing loaded: an ordinary prefill
-        assert conn.stats.load_rejected == 3 and out.metrics.blend["loaded"] == 0
+        assert (
+            conn.stats.load_misses == 3 and out.metrics.blend["loaded"] == 0
+        )  # the tier found them corrupt
     finally:
         conn.close()
 

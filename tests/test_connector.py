@@ -274,7 +274,7 @@ class OtherTokens:
         ("raise", "load_errors"),
         # times the load deadline against steps of milliseconds: the CPU kernels
         pytest.param("slow", "load_timeouts", marks=pytest.mark.cpu_path),
-        ("flip", "load_rejected"),
+        ("flip", "load_misses"),  # found by the tier: its miss
         ("tokens", "load_rejected"),
         ("drop", "load_misses"),
     ],

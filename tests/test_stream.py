@@ -142,7 +142,7 @@ async def test_a_key_deleted_midway_is_dropped_not_delivered() -> None:
 
     sink.on_ready = delete_after_first
     await cpu.stream([s.key for s in segs], "default", sink)
-    assert sink.dropped == {1: "deleted midway"}
+    assert sink.dropped == {1: "miss: deleted midway"}
     assert [r for r, _ in sink.ready_at] == list(range(LAYERS))
     assert torch.equal(sink.payload(0), segs[0].payload)
     assert torch.equal(sink.payload(2), segs[2].payload)
