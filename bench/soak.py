@@ -1,7 +1,9 @@
 """Soak: `python -m bench.soak [--duration 60] [--quick]`.
 
-8 RemoteTier clients run mixed Lookup/Put/Get/Delete against a real tierkv-server (cpu,
-disk and redis tiers) while faults are injected on a schedule: Redis SIGKILLed and
+8 clients run mixed Lookup/Put/Get/Stream/Delete against a real tierkv-server (cpu, disk
+and redis tiers): 4 over gRPC (RemoteTier), 2 over its shared-memory data plane and 2 over
+its TCP data port (DataTier), a stream being one layer-major load of 4 keys, while faults
+are injected on a schedule: Redis SIGKILLed and
 restarted, the server SIGKILLed and restarted on the same cache directory, the server
 SIGTERMed and restarted. Every payload is a function of its key, so each client checks
 every byte it gets back. After the fault phase come two fault-free periods of equal
@@ -33,7 +35,9 @@ from tqdm import tqdm
 from bench.common import goal, parser, print_table, write_results
 from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.data_client import DataTier
 from tierkv.storage_backends.base import MiB
+from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
 
 CLIENTS, SLOTS = 8, 64  # each client owns SLOTS keys: 512 x 128 KiB = 64 MiB, over the cpu tier
@@ -60,6 +64,39 @@ def segment_of(key: bytes) -> KVSegment:
     return KVSegment.from_tensor(
         payload_of(key), key=key, tokens=range(SHAPE[2]), fingerprint=b"soak"
     )
+
+
+@dataclass(slots=True)
+class Check:
+    """A stream's sink that checks every layer made ready against the bytes its key names."""
+
+    keys: list[bytes]
+    bufs: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    dropped: set[bytes] = field(default_factory=set)
+    want: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    wrong: int = 0
+    nbytes: int = 0
+
+    def open(self, i: int, h: SegmentHeader) -> bool:
+        if (h.num_layers, 2, h.num_tokens, h.num_kv_heads, h.head_dim) != SHAPE:
+            self.wrong += int(np.prod(SHAPE)) * 2
+            return False
+        self.bufs[self.keys[i]] = torch.empty(SHAPE, dtype=torch.float16)
+        self.want[self.keys[i]] = payload_of(self.keys[i])
+        return True
+
+    def into(self, i: int, layer: int) -> memoryview:
+        return flat(self.bufs[self.keys[i]][layer]).numpy().data
+
+    def drop(self, i: int, why: str) -> None:
+        self.dropped.add(self.keys[i])
+        self.bufs.pop(self.keys[i], None)
+
+    async def ready(self, layer: int) -> None:
+        for k, buf in self.bufs.items():
+            want, have = flat(self.want[k][layer]), flat(buf[layer])
+            self.wrong += int((have != want).sum())
+            self.nbytes += want.numel()
 
 
 @dataclass(slots=True)
@@ -92,7 +129,13 @@ class Soak:
     durable_checked: int = 0
 
     async def client(self, c: int) -> None:
-        tier = RemoteTier(target=self.server.target, timeout_s=5.0, retries=3)
+        tier = (
+            RemoteTier(target=self.server.target, timeout_s=5.0, retries=3)
+            if c < CLIENTS // 2
+            else DataTier(
+                target=self.server.target, timeout_s=5.0, retries=3, shared_memory=c % 2 == 0
+            )
+        )
         rng, stored = np.random.default_rng(c), set()
         while not self.stop:
             if not self.go.is_set():
@@ -110,7 +153,9 @@ class Soak:
             self.tally.err("rpc failed (miss or False)")
         await tier.close()
 
-    async def one(self, tier: RemoteTier, key: bytes, r: float, rng, c: int, stored: set) -> None:
+    async def one(
+        self, tier: RemoteTier | DataTier, key: bytes, r: float, rng, c: int, stored: set
+    ) -> None:
         t = self.tally
         if r < 0.3:
             seg = self.segs[key]
@@ -120,6 +165,18 @@ class Soak:
             else:
                 t.err("put refused")
             t.op("put")
+        elif r < 0.6:
+            keys = [key] + [key_of(c, int(s)) for s in rng.integers(SLOTS, size=3)]
+            sink = Check(list(dict.fromkeys(keys)))
+            await tier.stream(sink.keys, "default", sink)
+            for k in sink.keys:
+                if k not in sink.bufs and k in stored and k not in sink.dropped:
+                    t.err("stream: key neither delivered nor dropped")
+                elif k in sink.dropped and k in stored:
+                    t.err("miss of a stored key")
+            t.wrong_bytes += sink.wrong
+            t.bytes += sink.nbytes
+            t.op("stream")
         elif r < 0.7:
             got = await tier.get(key)
             if got is None:
