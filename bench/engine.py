@@ -165,7 +165,7 @@ def main() -> None:
             ap.error("--vs vllm runs SmolLM2 in bf16: pass --model smollm2")
         from bench.engine_vllm import main as vs_vllm
 
-        return vs_vllm(args.quick, args.vllm_python)
+        return vs_vllm(args.quick, args.vllm_python, args.rounds)
     c = dict(QUICK if args.quick else FULL)
     c["rounds"] = args.rounds or c["rounds"]
     torch.manual_seed(0)

@@ -196,11 +196,12 @@ def summary(rows: list[dict[str, Any]], floor_ms: float) -> list[dict[str, Any]]
     return out
 
 
-def main(quick: bool, vllm_python: str) -> None:
+def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
     from bench.serve_vllm import hf_checkpoint
     from tierkv.engine.models import cache_dir
 
     c = dict(QUICK if quick else FULL)
+    c["rounds"] = rounds or c["rounds"]
     model = hf_checkpoint(cache_dir() / "smollm2-hf")  # one checkpoint for both systems
     gbps = [memcpy_gbps()]
     logs = Path(tempfile.mkdtemp(prefix="tierkv-vs-vllm-"))
