@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import parser, print_table, write_results
-from bench.engine_vllm import FULL, QUICK, ids
+from bench.engine_cases import FULL, QUICK, ids
 
 # op name fragment -> kind; the first match wins
 KINDS = (
@@ -84,7 +84,7 @@ def main() -> None:
 
     c = QUICK if args.quick else FULL
     eng = Local(str(hf_checkpoint(cache_dir() / "smollm2-hf")))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, (prompts, outs) in cases(c).items():
         eng.generate([[p[0] + 1] + p[1:] for p in prompts], outs)  # same shapes, untimed
         prof = profiled(eng, prompts, outs)
@@ -99,7 +99,7 @@ def main() -> None:
         kinds = list(dict.fromkeys(r["kind"] for r in rows if r["kind"] != "wall"))
         bottom = [0.0] * len(names)
         for kind in kinds:
-            vals = [
+            vals: list[float] = [
                 next((r["share_pct"] for r in rows if r["case"] == n and r["kind"] == kind), 0.0)
                 for n in names
             ]

@@ -14,7 +14,7 @@ same run.
 from __future__ import annotations
 
 import json
-import random
+import os
 import statistics
 import sys
 import tempfile
@@ -26,45 +26,8 @@ import torch
 from tqdm import tqdm
 
 from bench.common import goal, print_table, write_results
+from bench.engine_cases import FULL, QUICK, run_cases
 from bench.engine_worker import Worker
-
-VOCAB = (100, 49000)  # token ids drawn from here: SmolLM2's vocabulary, clear of special tokens
-FULL = dict(
-    rounds=3,
-    requests=64,
-    prompt=(128, 1024),
-    output=(32, 256),
-    shared=32,
-    system=1024,
-    user=(32, 128),
-    shared_output=32,
-    decode_prompt=256,
-    decode_output=64,
-    decode_runs=5,
-    sessions=8,
-    turns=8,
-    opening=(128, 256),
-    reply=48,
-    chat_user=(32, 96),
-)
-QUICK = dict(
-    FULL,
-    rounds=1,
-    requests=16,
-    prompt=(64, 512),
-    output=(16, 64),
-    shared=12,
-    shared_output=16,
-    decode_runs=3,
-    decode_output=32,
-    sessions=4,
-    turns=4,
-    reply=24,
-)
-
-
-def ids(r: random.Random, n: int) -> list[int]:
-    return [r.randrange(*VOCAB) for _ in range(n)]
 
 
 def memcpy_gbps(mib: int = 256, runs: int = 9) -> float:
@@ -89,71 +52,6 @@ def weight_bytes(model: Path) -> int:
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
     return 2 * (layers * per_layer + h + c["vocab_size"] * h)
-
-
-def run_cases(workers: list[Worker], c: dict[str, Any], bar: tqdm) -> list[dict[str, Any]]:
-    """Every case, round by round; the systems take turns (the first one alternates)."""
-    rows: list[dict[str, Any]] = []
-
-    def each(rnd: int, case: str, job: Any) -> None:
-        order = workers if rnd % 2 == 0 else workers[::-1]
-        for w in order:
-            rows.append(dict(case=case, system=w.system, round=rnd, **job(w)))
-            bar.update(1)
-
-    for rnd in range(c["rounds"]):
-        r = random.Random(rnd)
-        prompts = [ids(r, r.randint(*c["prompt"])) for _ in range(c["requests"])]
-        outs = [r.randint(*c["output"]) for _ in range(c["requests"])]
-        each(rnd, "throughput", lambda w: timed(w, prompts, outs))
-        system = ids(r, c["system"])
-        users = [ids(r, r.randint(*c["user"])) for _ in range(c["shared"])]
-        shared = [system + u for u in users]
-        souts = [c["shared_output"]] * len(users)
-        each(rnd, "shared_prefix", lambda w: timed(w, shared, souts))
-        # the same lengths, each with its own system prompt: no reuse possible
-        distinct = [ids(r, c["system"]) + u for u in users]
-        each(rnd, "shared_prefix_no_reuse", lambda w: timed(w, distinct, souts))
-        each(rnd, "chat", lambda w: chat(w, c, rnd))
-    for run in range(c["decode_runs"]):
-        p = ids(random.Random(1000 + run), c["decode_prompt"])
-        each(run, "decode", lambda w: decode(w, p, c["decode_output"]))
-    return rows
-
-
-def timed(w: Worker, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
-    res = w.generate(prompts, outs)
-    assert [len(o) for o in res["outputs"]] == outs, f"{w.system}: wrong output lengths"
-    return dict(
-        seconds=res["seconds"], output_tokens=sum(outs), tok_per_s=sum(outs) / res["seconds"]
-    )
-
-
-def decode(w: Worker, prompt: list[int], n: int) -> dict[str, Any]:
-    res = w.generate([prompt], [n])
-    return dict(
-        seconds=res["seconds"], output_tokens=n, ms_per_token=res["decode_s"][0] / (n - 1) * 1e3
-    )
-
-
-def chat(w: Worker, c: dict[str, Any], rnd: int) -> dict[str, Any]:
-    """Sessions answered together, turn after turn; each turn's prompt is the session's whole
-    history (the system's own replies included) plus a new user message."""
-    r = random.Random(500 + rnd)
-    hist = [ids(r, r.randint(*c["opening"])) for _ in range(c["sessions"])]
-    seconds, tokens = 0.0, 0
-    for _ in range(c["turns"]):
-        hist = [h + ids(r, r.randint(*c["chat_user"])) for h in hist]
-        res = w.generate(hist, [c["reply"]] * len(hist))
-        seconds += res["seconds"]
-        tokens += c["reply"] * len(hist)
-        hist = [h + o for h, o in zip(hist, res["outputs"])]
-    return dict(
-        seconds=seconds,
-        output_tokens=tokens,
-        tok_per_s=tokens / seconds,
-        prompt_tokens_last=max(map(len, hist)),
-    )
 
 
 def med(rows: list[dict[str, Any]], case: str, system: str, key: str) -> float:
@@ -203,7 +101,7 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
     c = dict(QUICK if quick else FULL)
     c["rounds"] = rounds or c["rounds"]
     model = hf_checkpoint(cache_dir() / "smollm2-hf")  # one checkpoint for both systems
-    gbps = [memcpy_gbps()]
+    gbps, load = [memcpy_gbps()], [os.getloadavg()[0]]
     logs = Path(tempfile.mkdtemp(prefix="tierkv-vs-vllm-"))
     vllm_env = {
         "VLLM_NO_USAGE_STATS": "1",
@@ -230,6 +128,7 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
         for w in workers:
             w.close()
     gbps.append(memcpy_gbps())
+    load.append(os.getloadavg()[0])
     bw = statistics.median(gbps)
     floor_ms = weight_bytes(model) / (bw * 1e9) * 1e3
     print_table(
@@ -282,6 +181,7 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
         engines=info,
         vllm_env=vllm_env,
         memcpy_gbps=gbps,
+        load_avg_1min=load,  # the machine's other work at the start and the end
         weight_bytes=weight_bytes(model),
         decode_floor_ms=floor_ms,
         threads=torch.get_num_threads(),

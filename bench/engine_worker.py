@@ -37,7 +37,7 @@ class TierKV:
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
         ps = [self.params(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
         t0 = time.perf_counter()
-        res = self.llm.generate(prompts, ps, use_tqdm=False)
+        res = self.llm.generate(list[Any](prompts), ps, use_tqdm=False)
         dt = time.perf_counter() - t0
         return {
             "seconds": dt,
