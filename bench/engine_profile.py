@@ -1,0 +1,116 @@
+"""Where tierkv's engine spends a step, per case of bench.engine --vs vllm (SmolLM2-135M-Instruct,
+bf16): each case's requests run once untimed, then again under torch's profiler, and the ops'
+own time is summed by kind. "outside ops" is the wall time no op accounts for: Python in the
+model, runner, scheduler and sampler (the profiler's own cost per op lands here too).
+
+    python -m bench.engine_profile [--quick]
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import parser, print_table, write_results
+from bench.engine_cases import FULL, QUICK, ids
+
+# op name fragment -> kind; the first match wins
+KINDS = (
+    ("gemv_bf16", "linear"),
+    ("aten::mm", "linear"),
+    ("aten::addmm", "linear"),
+    ("paged_decode", "attention"),
+    ("prefill_attention", "attention"),
+    ("scaled_dot_product", "attention"),
+    ("index_select", "attention"),
+    ("rms_norm", "norm, silu, rope, kv write"),
+    ("silu_mul", "norm, silu, rope, kv write"),
+    ("tierkv::rope", "norm, silu, rope, kv write"),
+    ("write_kv", "norm, silu, rope, kv write"),
+    ("aten::add", "residual adds"),
+    ("argmax", "lm_head and sampling"),
+)
+
+
+class Local:
+    """The engine in this process, answering like bench.engine_worker's TierKV."""
+
+    system = "tierkv"
+
+    def __init__(self, model: str) -> None:
+        from bench.engine_worker import TierKV
+
+        self.engine = TierKV(model)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
+        return self.engine.generate(prompts, max_tokens)
+
+
+def cases(c: dict[str, Any]) -> dict[str, tuple[list[list[int]], list[int]]]:
+    r = random.Random(7)
+    system = ids(r, c["system"])
+    users = [ids(r, r.randint(*c["user"])) for _ in range(c["shared"])]
+    return {
+        "throughput": (
+            [ids(r, r.randint(*c["prompt"])) for _ in range(c["requests"])],
+            [r.randint(*c["output"]) for _ in range(c["requests"])],
+        ),
+        "shared_prefix": ([system + u for u in users], [c["shared_output"]] * len(users)),
+        "decode": ([ids(r, c["decode_prompt"])], [c["decode_output"]]),
+    }
+
+
+def profiled(eng: Local, prompts: list[list[int]], outs: list[int]) -> dict[str, float]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        eng.generate(prompts, outs)
+        wall = time.perf_counter() - t0
+    kinds: dict[str, float] = {}
+    for ev in prof.key_averages():
+        kind = next((k for frag, k in KINDS if frag in ev.key), "other ops")
+        kinds[kind] = kinds.get(kind, 0.0) + ev.self_cpu_time_total / 1e6
+    kinds["outside ops"] = wall - sum(kinds.values())
+    return {"wall_s": wall, **kinds}
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    from bench.serve_vllm import hf_checkpoint
+    from tierkv.engine.models import cache_dir
+
+    c = QUICK if args.quick else FULL
+    eng = Local(str(hf_checkpoint(cache_dir() / "smollm2-hf")))
+    rows: list[dict[str, Any]] = []
+    for name, (prompts, outs) in cases(c).items():
+        eng.generate([[p[0] + 1] + p[1:] for p in prompts], outs)  # same shapes, untimed
+        prof = profiled(eng, prompts, outs)
+        wall = prof.pop("wall_s")
+        for kind, sec in sorted(prof.items(), key=lambda kv: -kv[1]):
+            rows.append(dict(case=name, kind=kind, seconds=sec, share_pct=100 * sec / wall))
+        rows.append(dict(case=name, kind="wall", seconds=wall, share_pct=100.0))
+    print_table(rows)
+
+    def plot(ax: Any) -> None:
+        names = list(dict.fromkeys(r["case"] for r in rows))
+        kinds = list(dict.fromkeys(r["kind"] for r in rows if r["kind"] != "wall"))
+        bottom = [0.0] * len(names)
+        for kind in kinds:
+            vals: list[float] = [
+                next((r["share_pct"] for r in rows if r["case"] == n and r["kind"] == kind), 0.0)
+                for n in names
+            ]
+            ax.bar(names, vals, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel("% of wall time")
+        ax.legend(fontsize=7)
+
+    config = dict(c, quick=args.quick, threads=torch.get_num_threads())
+    write_results("engine_profile", config, rows, [], plot)
+
+
+if __name__ == "__main__":
+    main()
