@@ -222,6 +222,7 @@ def main() -> None:
         action="store_true",
         help="run only the vllm baseline; keep the tierkv rows of the last results file",
     )
+    p.add_argument("--note", default="", help="a remark kept with the results (what else ran)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 replicas share the cores
     rates = [0.5] if args.quick else [0.25, 0.5, 1.0]
@@ -326,7 +327,7 @@ def main() -> None:
         "slo": {"ttft": SLO_TTFT, "tpot": SLO_TPOT},
         "vllm": vllm_note,
         "quick": args.quick,
-        "note": "a shared 2-core machine: other work ran beside it; numbers are noisy",
+        "note": args.note,
     }
     write_results("serve" if args.model == "smollm2" else "serve_bench", config, rows, goals, plot)
 
