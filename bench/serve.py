@@ -157,6 +157,12 @@ async def run_load(
     return out, time.perf_counter() - t0
 
 
+def seed_of(rate: float) -> int:
+    """Each rate's sessions are new conversations (the servers keep running between rates, so
+    a repeat would be served from their caches), the same ones for every system."""
+    return 1 + int(rate * 1000)
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -205,7 +211,7 @@ def run_vllm(
     try:
         for rate in rates:
             res, wall = asyncio.run(
-                run_load([srv.url], "tiny", rate, sessions, turns, vocab, seed=1)
+                run_load([srv.url], "tiny", rate, sessions, turns, vocab, seed=seed_of(rate))
             )
             rows.append(summarize("vllm", rate, res, wall))
     finally:
@@ -244,7 +250,15 @@ def main() -> None:
         try:
             for rate in rates:
                 res, wall = asyncio.run(
-                    run_load([r.url for r in reps], "tiny", rate, sessions, turns, vocab, seed=1)
+                    run_load(
+                        [r.url for r in reps],
+                        "tiny",
+                        rate,
+                        sessions,
+                        turns,
+                        vocab,
+                        seed=seed_of(rate),
+                    )
                 )
                 rows.append(summarize(name, rate, res, wall))
         finally:
