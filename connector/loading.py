@@ -68,18 +68,21 @@ class Loading:
     pool: StagingPool
     keys: list[bytes] = field(default_factory=list)
     users: list[list[tuple[int, int]]] = field(default_factory=list)  # key -> (plan, chunk)s
+    at: list[list[int]] = field(default_factory=list)  # plan -> its chunks' key indexes
     segs: list[KVSegment | None] = field(default_factory=list)  # key -> over its staging
     bufs: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         where: dict[bytes, int] = {}
         for p, plan in enumerate(self.job.plans):
+            self.at.append([])
             for c, chunk in enumerate(plan.chunks):
                 i = where.setdefault(chunk.key, len(self.keys))
                 if i == len(self.keys):
                     self.keys.append(chunk.key)
                     self.users.append([])
                 self.users[i].append((p, c))
+                self.at[p].append(i)
         self.segs = [None] * len(self.keys)
 
     def open(self, i: int, header: SegmentHeader) -> bool:
@@ -128,12 +131,11 @@ class Loading:
 
     def good(self) -> list[list[KVSegment]]:
         """Per plan, its chunks' segments up to its first failed one."""
-        where = {k: i for i, k in enumerate(self.keys)}
         out = []
-        for plan in self.job.plans:
+        for plan, at in zip(self.job.plans, self.at):
             segs: list[KVSegment] = []
-            for chunk in plan.chunks:
-                seg = self.segs[where[chunk.key]]
+            for chunk, i in zip(plan.chunks, at):
+                seg = self.segs[i]
                 stop = plan.end if plan.failed_from is None else plan.failed_from
                 if seg is None or chunk.start >= stop:
                     break

@@ -28,7 +28,7 @@ from tierkv.storage_backends.segment import (
     decode_layer,
     decode_layer_bytes,
 )
-from tierkv.storage_backends.stream import LayerSink, reader_checks
+from tierkv.storage_backends.stream import LayerSink, open_all, reader_checks
 
 
 @dataclass(slots=True)
@@ -126,15 +126,8 @@ class CpuTier(IndexedTier[CpuEntry]):
         off."""
         check_namespace(ns)
         entries = [self.index.get((ns, check_key(k))) for k in keys]
-        live = []
-        for i, e in enumerate(entries):
-            if e is None:
-                self._stats.misses += 1
-                sink.drop(i, "miss")
-            elif sink.open(i, e.header):
-                live.append(i)
-            else:
-                sink.drop(i, "refused")
+        self._stats.misses += entries.count(None)
+        live = open_all(sink, ["miss" if e is None else e.header for e in entries])
         holds = [self.lease(keys[i], ns) for i in live]
         try:
             layer = 0

@@ -16,7 +16,7 @@ from tierkv.storage_backends.segment import (
     decode_layer_bytes,
 )
 from tierkv.storage_backends.segment_files import check_same_header
-from tierkv.storage_backends.stream import LayerSink
+from tierkv.storage_backends.stream import LayerSink, open_all
 
 if TYPE_CHECKING:
     from tierkv.storage_backends.disk_tier import DiskEntry, DiskTier
@@ -29,17 +29,16 @@ async def stream_files(tier: DiskTier, keys: Sequence[bytes], ns: str, sink: Lay
     entries = [tier.index.get((ns, check_key(k))) for k in keys]
     loop = asyncio.get_running_loop()
     fds = await loop.run_in_executor(None, _open_all, entries)
-    live = []
+    found: list[SegmentHeader | str] = []
     for i, (e, fd) in enumerate(zip(entries, fds)):
-        if e is None or fd < 0:
-            tier._stats.misses += 1
-            if e is not None:
-                tier._corrupt(ns, keys[i])
-            sink.drop(i, "miss" if e is None else "miss: file gone or changed")
-        elif sink.open(i, e.header):
-            live.append(i)
-        else:
-            sink.drop(i, "refused")
+        if e is not None and fd >= 0:
+            found.append(e.header)
+            continue
+        tier._stats.misses += 1
+        if e is not None:
+            tier._corrupt(ns, keys[i])
+        found.append("miss" if e is None else "miss: file gone or changed")
+    live = open_all(sink, found)
     holds = [tier.lease(keys[i], ns) for i in live]
     try:
         layer = 0

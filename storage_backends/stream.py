@@ -108,18 +108,7 @@ async def stream_whole(
     GetMany): no layer is ready before every key has arrived, but nothing is asked twice.
     `get` returns checked segments."""
     got = await asyncio.gather(*(get(k) for k in keys), return_exceptions=True)
-    live = []
-    for i, seg in enumerate(got):
-        if isinstance(seg, BaseException):
-            sink.drop(i, f"tier error: {seg!r}")
-        elif seg is None:
-            sink.drop(i, "miss")
-        elif seg.key != keys[i]:
-            sink.drop(i, "the tier answered another key")
-        elif sink.open(i, seg.header()):
-            live.append(i)
-        else:
-            sink.drop(i, "refused")
+    live = open_all(sink, [_found(seg, k) for seg, k in zip(got, keys)])
     for layer in range(max((got[i].num_layers for i in live), default=0)):  # type: ignore[union-attr]
         placed = [i for i in live if layer < got[i].num_layers]  # type: ignore[union-attr]
         for i in placed:
@@ -127,6 +116,29 @@ async def stream_whole(
             sink.into(i, layer)[:] = part.contiguous().reshape(-1).view(torch.uint8).numpy().data
             copied("stream.whole", part.numel() * part.element_size())
         await sink.ready(layer)
+
+
+def _found(seg: KVSegment | None | BaseException, key: bytes) -> SegmentHeader | str:
+    """A whole-segment get's header, or why there is none."""
+    if isinstance(seg, BaseException):
+        return f"tier error: {seg!r}"
+    if seg is None:
+        return "miss"
+    return seg.header() if seg.key == key else "the tier answered another key"
+
+
+def open_all(sink: LayerSink, found: Sequence[SegmentHeader | str]) -> list[int]:
+    """Open each key whose header a tier found (a refusal drops it) and drop the others with
+    the reason in their place; the keys left to stream."""
+    live = []
+    for i, h in enumerate(found):
+        if isinstance(h, str):
+            sink.drop(i, h)
+        elif sink.open(i, h):
+            live.append(i)
+        else:
+            sink.drop(i, "refused")
+    return live
 
 
 def _layers(head: SegmentHeader | None) -> int:
