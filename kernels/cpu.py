@@ -1,7 +1,9 @@
 """The engine's C++ CPU kernels, built on first use with torch's extension builder into one
 library: decode attention (cpu_attention.cpp) that reads K and V in place from the paged
-cache, prefill attention (cpu_prefill.cpp), RoPE in one pass and the KV write (cpu_ops.cpp;
-RoPE bit-identical to the torch expression in rope.py), RMSNorm and SiLU-and-mul (cpu_layer.cpp).
+cache, prefill attention (cpu_prefill.cpp; bf16 products on CPUs with AVX512-BF16 in
+cpu_prefill_dot.cpp), RoPE in one pass and the KV write (cpu_ops.cpp; RoPE bit-identical to the
+torch expression in rope.py), RMSNorm and SiLU-and-mul (cpu_layer.cpp), and few-row linear layers
+over bf16 weights (cpu_gemv.cpp).
 
 The torch reference gathers every decode sequence's blocks into scratch before SDPA reads
 them, so it moves the KV three times; the decode kernel reads it once. Where the library
@@ -32,7 +34,10 @@ OPS = SOURCE.with_name(
 )  # built into the same library: torch.ops.tierkv.rope, .write_kv
 LAYER = SOURCE.with_name("cpu_layer.cpp")  # and torch.ops.tierkv.rms_norm, .silu_mul
 PREFILL = SOURCE.with_name("cpu_prefill.cpp")  # and torch.ops.tierkv.prefill_attention
+PREFILL_DOT = SOURCE.with_name("cpu_prefill_dot.cpp")  # its bf16 products (AVX512-BF16)
+PREFILL_H = SOURCE.with_name("cpu_prefill.h")  # the driver both prefill paths share
 GEMV = SOURCE.with_name("cpu_gemv.cpp")  # and torch.ops.tierkv.gemv_bf16
+BUILT = (SOURCE, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)  # the library's translation units
 CHUNK_KEYS = (
     512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 )
@@ -59,7 +64,7 @@ def _build_dir() -> Path:
     """One build per source, torch version and CPU: -march=native code must not run on
     another CPU (a cached build from a different host could hit an illegal instruction)."""
     flags = " ".join(sorted(cpu_flags()))
-    code = b"".join(p.read_bytes() for p in (SOURCE, HEADER, OPS, LAYER, PREFILL, GEMV))
+    code = b"".join(p.read_bytes() for p in (*BUILT, HEADER, PREFILL_H))
     # Two ninja builds record their commands differently and rebuild each other's objects.
     ninja = shutil.which("ninja") or ""
     # The checkout too: ninja records absolute source paths, so two checkouts of the same
@@ -89,7 +94,7 @@ def _load() -> bool:
             lock.unlink(missing_ok=True)
         build(
             name="tierkv_cpu",
-            sources=[str(p) for p in (SOURCE, OPS, LAYER, PREFILL, GEMV)],
+            sources=[str(p) for p in BUILT],
             build_directory=str(root),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"],
             extra_ldflags=["-fopenmp"],

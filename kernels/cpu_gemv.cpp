@@ -13,6 +13,10 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace tierkv_vec;
@@ -51,6 +55,60 @@ void rows(const at::BFloat16* w, const T* x, int64_t M, int64_t K, const float* 
   if (j < M) block<C, 1>(w, x + j * K, K, bias, n, out + j * N, N);
 }
 
+#if defined(__AVX512BF16__)
+// bf16 x on CPUs with AVX512-BF16: vdpbf16ps takes 32 weights and 32 of x as they are (two
+// products per lane, summed in fp32), half the instructions of widening both to fp32, so
+// steps of up to DOT_ROWS rows stay bound by reading the weights. A block is 4 weight rows x 4
+// rows of x: its 16 accumulators reduce in one transposed pass (sum_rows_w), lane i * 4 + j.
+constexpr int DB = 4;
+
+inline __m512i load32(const at::BFloat16* p) { return _mm512_loadu_si512(p); }
+
+template <int CN, int RM>  // weight rows, rows of x: compile-time, so the accumulators stay in registers
+void dot_block(const at::BFloat16* w, const at::BFloat16* x, int64_t K, const float* bias, int64_t n,
+               at::BFloat16* out, int64_t N) {
+  vfw acc[DB * DB] = {};
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i wv[CN];
+    if (k % 64 == 0)
+      for (int i = 0; i < CN; ++i) __builtin_prefetch(w + (n + i + DB) * K + k);
+    for (int i = 0; i < CN; ++i) wv[i] = load32(w + (n + i) * K + k);
+    for (int j = 0; j < RM; ++j) {
+      const __m512bh xv = (__m512bh)load32(x + j * K + k);
+      for (int i = 0; i < CN; ++i) acc[i * DB + j] = (vfw)_mm512_dpbf16_ps((__m512)acc[i * DB + j], (__m512bh)wv[i], xv);
+    }
+  }
+  const vfw sum = sum_rows_w(acc);
+  for (int i = 0; i < CN; ++i)
+    for (int j = 0; j < RM; ++j)
+      out[j * N + n + i] = static_cast<at::BFloat16>(sum[i * DB + j] + (bias ? bias[n + i] : 0.f));
+}
+
+using DotFn = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, const float*, int64_t, at::BFloat16*,
+                       int64_t);
+template <int CN>
+constexpr DotFn kDotRow[DB] = {dot_block<CN, 1>, dot_block<CN, 2>, dot_block<CN, 3>, dot_block<CN, 4>};
+constexpr const DotFn* kDot[DB] = {kDotRow<1>, kDotRow<2>, kDotRow<3>, kDotRow<4>};  // [CN - 1][RM - 1]
+
+bool gemv_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (x.scalar_type() != at::kBFloat16 || K % 32 != 0) return false;
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, (N + DB - 1) / DB, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t cn = std::min<int64_t>(DB, N - b * DB);
+      for (int64_t j = 0; j < M; j += DB)  // the weight block stays in L1 across the row blocks
+        kDot[cn - 1][std::min<int64_t>(DB, M - j) - 1](wp, xp + j * K, K, bias, b * DB, op + j * N, N);
+    }
+  });
+  return true;
+}
+#else
+bool gemv_dot(const at::Tensor&, const at::Tensor&, const float*, at::Tensor&) { return false; }
+#endif
+
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x [M, K] and w [N, K] expected");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "gemv_bf16: w must be contiguous bfloat16");
@@ -67,8 +125,9 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::option
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (gemv_dot(xc, w, bp, out)) return out;
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   auto go = [&](const auto* xp, auto* op) {
     const int64_t blocks = N / NB;
     at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {

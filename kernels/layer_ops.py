@@ -72,17 +72,17 @@ def native_matmul(dtype: torch.dtype, device: torch.device) -> bool:
 # CPU, 1-8 rows: 1.0-2x faster per layer shape, 2-5x for the 32000-row lm_head (torch's fp32
 # GEMM of 2-8 rows is slow there); from 16 rows on the fp32 GEMM is as fast or faster.
 GEMV_ROWS = 8
-# With native bf16 GEMMs (oneDNN, AVX512-BF16) the few-row kernel still wins for 1-2 rows, where
-# oneDNN's bf16 GEMM reads the weights at half the bandwidth (SmolLM2's shapes, AMD EPYC with
-# avx512_bf16: 1 row 1.6-2.2x faster per shape); from 3-4 rows on oneDNN is as fast or faster.
-NATIVE_GEMV_ROWS = 2
+# With native bf16 GEMMs (AVX512-BF16) the kernel's bf16 products (vdpbf16ps) beat oneDNN's bf16
+# GEMM up to 16 rows: SmolLM2's layer shapes on an AMD EPYC, weights in cache, 1 row 2.9x, 8 rows
+# 1.6x, 16 rows 1.2x, 32 rows 0.94x; weights streamed from memory (a decode step) more.
+NATIVE_GEMV_ROWS = 16
 
 
-def gemv_usable(x: torch.Tensor, narrow: torch.Tensor) -> bool:
-    """True when torch.ops.tierkv.gemv_bf16 serves x [M <= GEMV_ROWS, K] @ narrow.T: CPU, bf16
+def gemv_usable(x: torch.Tensor, narrow: torch.Tensor, rows: int = GEMV_ROWS) -> bool:
+    """True when torch.ops.tierkv.gemv_bf16 serves x [M <= rows, K] @ narrow.T: CPU, bf16
     weights contiguous, K a multiple of 16 (any ISA's vector width)."""
     return (
-        x.shape[0] <= GEMV_ROWS
+        x.shape[0] <= rows
         and narrow.dtype == torch.bfloat16
         and narrow.is_contiguous()
         and narrow.dim() == 2
@@ -101,9 +101,9 @@ def linear(
     where native_matmul is False) computes in its dtype and rounds the result to x's dtype: the
     math of a bf16 GEMM with fp32 accumulation, in another summation order. `narrow`, the same
     weight in bf16, serves steps of few rows (see GEMV_ROWS) with that same math, as does a bf16
-    weight itself for 1-2 rows (NATIVE_GEMV_ROWS)."""
+    weight itself for up to NATIVE_GEMV_ROWS rows."""
     if weight.dtype == x.dtype:
-        if x.shape[0] <= NATIVE_GEMV_ROWS and gemv_usable(x, weight):
+        if gemv_usable(x, weight, NATIVE_GEMV_ROWS):
             return torch.ops.tierkv.gemv_bf16(x, weight, bias)
         return F.linear(x, weight, bias)
     if narrow is not None and gemv_usable(x, narrow):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.model import Linear
 from tierkv.kernels import cpu, layer_ops
-from tierkv.kernels.layer_ops import GEMV_ROWS, linear
+from tierkv.kernels.layer_ops import GEMV_ROWS, NATIVE_GEMV_ROWS, linear
 
 pytestmark = pytest.mark.cpu_path
 
@@ -48,7 +48,9 @@ def test_fp32_rows_match_torch(m: int, n: int, k16: int, seed: int, bias: bool) 
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 768, 512), (3, 2816, 512), (8, 512, 1408), (5, 37, 64)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 768, 512), (3, 2816, 512), (8, 512, 1408), (5, 37, 64), (16, 963, 576)]
+)
 def test_bf16_rows_are_one_rounding_of_the_fp32_result(m: int, n: int, k: int) -> None:
     x, w, b = operands(m, n, k, 1, True)
     xb = x.to(torch.bfloat16)
@@ -59,6 +61,25 @@ def test_bf16_rows_are_one_rounding_of_the_fp32_result(m: int, n: int, k: int) -
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     ref = torch.nn.functional.linear(xb.float(), w.float(), b).to(torch.bfloat16)
     assert (got == ref).float().mean() > 0.99  # torch's fp32 GEMM, rounded: equal but for ties
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(0, NATIVE_GEMV_ROWS + 5),
+    n=st.integers(1, 70),
+    k16=st.integers(1, 12),
+    seed=st.integers(0, 99),
+    bias=st.booleans(),
+)
+def test_bf16_rows_property(m: int, n: int, k16: int, seed: int, bias: bool) -> None:
+    """bf16 x of any row count and shape (K % 32 != 0 too, where the AVX512-BF16 path hands
+    over to the widening one): within one rounding of the exact result."""
+    x, w, b = operands(m, n, 16 * k16, seed, bias)
+    xb = x.to(torch.bfloat16)
+    got = torch.ops.tierkv.gemv_bf16(xb, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    exact = torch.nn.functional.linear(xb.double(), w.double(), None if b is None else b.double())
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
 
 
 def test_bad_input_is_an_error() -> None:
