@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tierkv.engine.block_manager import BlockManager
+from tierkv.engine.block_manager import BlockManager, tree_key
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.invariants import check_invariants_enabled, invariant
 from tierkv.engine.kv_connector import KVConnector
@@ -143,6 +143,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.blend is not None:
                 break  # admitted alone, by _schedule_blend
+            if self._computed_this_step(seq, out):
+                break  # next step it hits that block in the prefix cache
             hit = self.blocks.match_prefix(seq)
             seq.num_computed_tokens = hit
             ext = self.connector.get_num_new_matched_tokens(seq, hit)
@@ -169,6 +171,24 @@ class Scheduler:
             budget -= n
         out.connector_meta = self.connector.build_connector_meta(out)
         return out
+
+    def _computed_this_step(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """True when a sequence already in this step completes a block of its prefix that seq
+        would match (requests sharing a system prompt arriving together): seq then waits one
+        step and hits that block in the prefix cache instead of computing it a second time."""
+        if self.blocks.tree is None or not seq.exact_kv:
+            return False
+        bs, key = self.blocks.block_size, None
+        for other, n in zip(out.seqs, out.num_new_tokens):
+            end = (other.num_computed_tokens // bs + 1) * bs  # the first block it completes now
+            if end > other.num_computed_tokens + n or end > len(seq) - 1 or not other.exact_kv:
+                continue
+            if other.token_ids[end - bs : end] != seq.token_ids[end - bs : end]:
+                continue  # a cheap look at the block itself first
+            key = tree_key(seq, len(seq) - 1) if key is None else key
+            if tree_key(other, end) == key[:end]:
+                return True
+        return False
 
     def postprocess(
         self,

@@ -125,3 +125,37 @@ def test_max_num_seqs_and_finish():
     assert seqs[0].status is Status.FINISHED and seqs[0].finish_reason == "length"
     assert step(s) == [(2, 4)]
     assert not s.has_work() and len(s.blocks.free) + s.blocks.tree.num_blocks == 64
+
+
+def test_a_block_computed_this_step_is_not_computed_twice():
+    """Requests sharing a prefix that arrive together: the first computes it, the others wait a
+    step and hit it in the prefix cache (without prefix caching all go at once)."""
+    for prefix in (True, False):
+        s = make(budget=64, prefix=prefix)
+        shared = [5000 + t for t in range(3 * BS)]
+        seqs = []
+        for i in range(3):
+            seq = Sequence(
+                i,
+                str(i),
+                i,
+                shared + [i, i + 1],
+                3 * BS + 2,
+                SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            )
+            s.add(seq)
+            seqs.append(seq)
+        first = step(s)
+        if not prefix:
+            assert first == [(0, 14), (1, 14), (2, 14)]
+            continue
+        assert first == [(0, 14)]
+        assert step(s) == [(0, 1), (1, 2), (2, 2)]  # 3 blocks hit, the 2 own tokens computed
+        assert [q.metrics.num_cached_tokens for q in seqs[1:]] == [3 * BS, 3 * BS]
+
+
+def test_a_different_prefix_is_not_held_back():
+    s = make(budget=64)
+    add(s, 0, 14)
+    add(s, 1, 14, base=7)  # other tokens from the first block on
+    assert step(s) == [(0, 14), (1, 14)]
