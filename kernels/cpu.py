@@ -37,7 +37,9 @@ PREFILL = SOURCE.with_name("cpu_prefill.cpp")  # and torch.ops.tierkv.prefill_at
 PREFILL_DOT = SOURCE.with_name("cpu_prefill_dot.cpp")  # its bf16 products (AVX512-BF16)
 PREFILL_H = SOURCE.with_name("cpu_prefill.h")  # the driver both prefill paths share
 GEMV = SOURCE.with_name("cpu_gemv.cpp")  # and torch.ops.tierkv.gemv_bf16
-BUILT = (SOURCE, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)  # the library's translation units
+DECODE_DOT = SOURCE.with_name("cpu_attention_dot.cpp")  # the decode's bf16 products (AVX512-BF16)
+DECODE_H = SOURCE.with_name("cpu_decode.h")
+BUILT = (SOURCE, DECODE_DOT, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)  # the library's translation units
 CHUNK_KEYS = (
     512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 )
@@ -64,7 +66,7 @@ def _build_dir() -> Path:
     """One build per source, torch version and CPU: -march=native code must not run on
     another CPU (a cached build from a different host could hit an illegal instruction)."""
     flags = " ".join(sorted(cpu_flags()))
-    code = b"".join(p.read_bytes() for p in (*BUILT, HEADER, PREFILL_H))
+    code = b"".join(p.read_bytes() for p in (*BUILT, HEADER, PREFILL_H, DECODE_H))
     # Two ninja builds record their commands differently and rebuild each other's objects.
     ninja = shutil.which("ninja") or ""
     # The checkout too: ninja records absolute source paths, so two checkouts of the same

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_decode.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -19,11 +20,13 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace tierkv_vec;
+using tierkv_decode::Partial;
 
 // Vectors of one register: W floats (16 on AVX-512, 8 on AVX2, where GCC splits a 16-float
 // vector into halves it spills), and tiles of W tokens.
@@ -32,12 +35,6 @@ constexpr int L = W;
 constexpr int kMaxC = 256 / L;  // head_dim / L
 constexpr int kMaxG = 16;  // query heads per KV head
 constexpr int kAhead = 4;  // blocks prefetched ahead
-
-struct Partial {  // online-softmax state of one (task, KV head): running max, sum, weighted V
-  float* m;   // [G]
-  float* l;   // [G]
-  V* acc;  // [G * C]
-};
 
 // Storage of the Partials, per calling thread and reused across calls: a fresh multi-MiB
 // buffer per layer call would cost more in page faults than the attention itself.
@@ -163,12 +160,18 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
       const int64_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t len = sp[i];
       const int64_t k0 = std::min(len, (task - first[i]) * chunk), k1 = std::min(len, k0 + chunk);
+      Partial* p = &parts[task * hkv];
+      const int64_t* blocks = ip + i * nblk;
+      if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<O, at::BFloat16>) {
+        const auto* kb = reinterpret_cast<const at::BFloat16*>(kp);
+        const auto* vb = reinterpret_cast<const at::BFloat16*>(vp);
+        if (tierkv_decode::attend_dot(qp + i * hq * D, G, D, hkv, kb, vb, blocks, k0, k1, bs, float(scale), p))
+          continue;
+      }
       for (int hd = 0; hd < hq; ++hd) {
         const float f = float(scale) * (ks ? ks[hd / G] : 1.f);  // the K scale folds into q
         for (int c = 0; c < C; ++c) qv[hd * C + c] = loadw(qp + (i * hq + hd) * D + c * L, nullptr) * f;
       }
-      Partial* p = &parts[task * hkv];
-      const int64_t* blocks = ip + i * nblk;
       switch (C) {  // head dims 64 and 128 unrolled
         case 64 / L: attend<64 / L, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;
         case 128 / L: attend<128 / L, T>(qv.get(), G, C, hkv, kp, vp, blocks, k0, k1, bs, lp, p); break;

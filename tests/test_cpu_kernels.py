@@ -136,6 +136,28 @@ def test_block_sizes_and_key_runs(bs, chunk):
     torch.testing.assert_close(got, want, **tol(torch.float32))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(1, 150), min_size=1, max_size=5),
+    st.sampled_from([(3, 1, 64), (9, 3, 64), (8, 1, 128), (16, 2, 64), (10, 2, 80)]),
+    st.sampled_from([8, 16, 32]),
+    st.integers(0, 2**16),
+)
+def test_bf16_decode_within_its_rounding(lens, heads, bs, seed):
+    """A bf16 cache (bf16 products summed in fp32 on AVX512-BF16, the softmax weights rounded to
+    bf16 for V) against fp32 math over the same values: within 2^-8 of sum_j p_j |v_j| (the
+    weights' rounding) plus the output's rounding."""
+    hq, hkv, d = heads
+    q, k, v, bt, n = paged(128, bs, lens, hq, hkv, d, seed)
+    q, k, v = (x.bfloat16().float() for x in (q, k, v))
+    op = torch.ops.tierkv.paged_decode
+    got = op(q.bfloat16(), k.bfloat16(), v.bfloat16(), bt, n, 0.125, None, None, None, 64).float()
+    ref = op(q, k, v, bt, n, 0.125, None, None, None, 64)
+    spread = op(q, k, v.abs(), bt, n, 0.125, None, None, None, 64)
+    bound = spread * 2**-8 + ref.abs() * 2**-8 + 1e-6
+    assert ((got - ref).abs() <= bound).all(), f"worst excess {((got - ref).abs() - bound).max()}"
+
+
 def test_threads_and_concurrent_callers():
     # The engine calls from one thread with torch's pool; several callers must not share state.
     q, k, v, bt, lens = paged(256, 16, [700, 1, 250, 1000], 8, 2, 64, seed=1)
