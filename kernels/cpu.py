@@ -39,7 +39,8 @@ PREFILL_H = SOURCE.with_name("cpu_prefill.h")  # the driver both prefill paths s
 GEMV = SOURCE.with_name("cpu_gemv.cpp")  # and torch.ops.tierkv.gemv_bf16
 DECODE_DOT = SOURCE.with_name("cpu_attention_dot.cpp")  # the decode's bf16 products (AVX512-BF16)
 DECODE_H = SOURCE.with_name("cpu_decode.h")
-BUILT = (SOURCE, DECODE_DOT, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)  # the library's translation units
+# the library's translation units
+BUILT = (SOURCE, DECODE_DOT, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)
 CHUNK_KEYS = (
     512  # keys per kernel task: equal-cost tasks keep threads balanced and split long contexts
 )
