@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tierkv.engine.scheduler import SchedulerOutput
-from tierkv.kernels import use_triton
+from tierkv.kernels import cpu, use_triton
 
 DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of its longest
 
@@ -52,8 +52,9 @@ class Context:
     paged: list[PagedBatch]  # the sequences not in `fresh`, in kernel calls
     fresh: list[tuple[int, int]]  # row ranges of whole prompts with no cached prefix (causal SDPA)
     # Decodes only, served by the C++ decode kernel: (block ids [B, nblk] int64, keys seen [B]
-    # int64), checked once here for the step instead of once per layer; None otherwise.
-    decode: tuple[torch.Tensor, torch.Tensor] | None
+    # int64, keys per task), checked once here for the step instead of once per layer; None
+    # otherwise.
+    decode: tuple[torch.Tensor, torch.Tensor, int] | None
     seq_ids: list[int]  # seq_id of each sequence
     block_ids: list[list[int]]  # block table of each sequence (valid during this step only)
 
@@ -127,7 +128,8 @@ def build_context(
             # Block tables come from the block manager (valid ids; -1 padding clamped, never
             # read): the kernel's contract holds without the reference's per-call checks.
             nblk = -(-int(lens.max()) // bs)
-            decode = (tables[:, :nblk].long().clamp(0, num_blocks - 1).to(dev), lens.to(dev))
+            ids_t = tables[:, :nblk].long().clamp(0, num_blocks - 1).to(dev)
+            decode = (ids_t, lens.to(dev), cpu.decode_chunk(int(lens.sum())))
     return Context(
         input_ids=F.pad(torch.tensor(ids), (0, pad)).to(dev),
         positions=F.pad(positions, (0, pad)).to(dev),

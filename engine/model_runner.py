@@ -128,7 +128,8 @@ class ModelRunner:
         n = ctx.num_tokens
         ks, vs = self.store(layer, k, v)
         if ctx.decode is not None:  # decodes only: straight to the C++ kernel
-            o = cpu.paged_decode(q[:n], cache[0], cache[1], *ctx.decode, self.scale, ks, vs)
+            ids, seen, chunk = ctx.decode
+            o = cpu.paged_decode(q[:n], cache[0], cache[1], ids, seen, self.scale, ks, vs, chunk)
             if n == q.shape[0]:
                 return o
             out = torch.zeros_like(q)
