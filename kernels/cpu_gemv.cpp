@@ -70,7 +70,7 @@ void dot_block(const at::BFloat16* w, const at::BFloat16* x, int64_t K, const fl
   vfw acc[DB * DB] = {};
   for (int64_t k = 0; k < K; k += 32) {
     __m512i wv[CN];
-      for (int i = 0; i < CN; ++i) __builtin_prefetch(w + (n + i + 4 * DB) * K + k);  // each line, 16 rows ahead
+    for (int i = 0; i < CN; ++i) __builtin_prefetch(w + (n + i + 4 * DB) * K + k);  // each line, 16 rows ahead
     for (int i = 0; i < CN; ++i) wv[i] = load32(w + (n + i) * K + k);
     for (int j = 0; j < RM; ++j) {
       const __m512bh xv = (__m512bh)load32(x + j * K + k);
