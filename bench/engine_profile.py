@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import parser, print_table, write_results
-from bench.engine_cases import FULL, QUICK, ids
+from bench.engine_cases import FULL, QUICK, chat, ids
 
 # op name fragment -> kind; the first match wins
 KINDS = (
@@ -64,10 +65,10 @@ def cases(c: dict[str, Any]) -> dict[str, tuple[list[list[int]], list[int]]]:
     }
 
 
-def profiled(eng: Local, prompts: list[list[int]], outs: list[int]) -> dict[str, float]:
+def profiled(job: Callable[[], object]) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        eng.generate(prompts, outs)
+        job()
         wall = time.perf_counter() - t0
     kinds: dict[str, float] = {}
     for ev in prof.key_averages():
@@ -85,9 +86,17 @@ def main() -> None:
     c = QUICK if args.quick else FULL
     eng = Local(str(hf_checkpoint(cache_dir() / "smollm2-hf")))
     rows: list[dict[str, Any]] = []
-    for name, (prompts, outs) in cases(c).items():
-        eng.generate([[p[0] + 1] + p[1:] for p in prompts], outs)  # same shapes, untimed
-        prof = profiled(eng, prompts, outs)
+    jobs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        name: (  # (untimed: the same shapes, other tokens; profiled)
+            lambda p=prompts, o=outs: eng.generate([[x[0] + 1] + x[1:] for x in p], o),
+            lambda p=prompts, o=outs: eng.generate(p, o),
+        )
+        for name, (prompts, outs) in cases(c).items()
+    }
+    jobs["chat"] = (lambda: chat(eng, c, 1), lambda: chat(eng, c, 0))
+    for name, (warm, job) in jobs.items():
+        warm()
+        prof = profiled(job)
         wall = prof.pop("wall_s")
         for kind, sec in sorted(prof.items(), key=lambda kv: -kv[1]):
             rows.append(dict(case=name, kind=kind, seconds=sec, share_pct=100 * sec / wall))
