@@ -27,6 +27,8 @@ namespace {
 
 using namespace tierkv_vec;
 using tierkv_decode::Partial;
+using tierkv_decode::reset;
+using tierkv_decode::walk_tiles;
 
 // Vectors of one register: W floats (16 on AVX-512, 8 on AVX2, where GCC splits a 16-float
 // vector into halves it spills), and tiles of W tokens.
@@ -34,7 +36,6 @@ using V = vfw;
 constexpr int L = W;
 constexpr int kMaxC = 256 / L;  // head_dim / L
 constexpr int kMaxG = 16;  // query heads per KV head
-constexpr int kAhead = 4;  // blocks prefetched ahead
 
 // Storage of the Partials, per calling thread and reused across calls: a fresh multi-MiB
 // buffer per layer call would cost more in page faults than the attention itself.
@@ -101,22 +102,13 @@ void attend_tile(const V* q, int G, int C_, const T* k, const T* v, const T* k_n
 }
 
 // Keys [k0, k1) of one sequence, every KV head, into p[0..hkv); q is [hkv * G, C] vectors.
-// Blocks sit at random places in the cache, so the hardware prefetcher cannot guess the
-// next one: each tile prefetches its rows' counterparts kAhead blocks later.
+// Each tile prefetches its rows' counterparts kAhead blocks later (walk_tiles).
 template <int CT, typename T>
 void attend(const V* q, int G, int C, int hkv, const T* kc, const T* vc, const int64_t* blocks,
             int64_t k0, int64_t k1, int bs, const float* lut, Partial* p) {
-  for (int h = 0; h < hkv; ++h) {
-    std::fill(p[h].m, p[h].m + G, -kInf);
-    std::fill(p[h].l, p[h].l + G, 0.f);
-    std::fill(p[h].acc, p[h].acc + G * C, V{});
-  }
+  reset(p, hkv, G, C);
   const int64_t row = int64_t(hkv) * C * L;  // elements between tokens of a block
-  for (int64_t start = k0; start < k1;) {
-    const int64_t ahead = (start / bs + kAhead) * bs;  // a valid block id while < k1
-    const int64_t next = ahead < k1 ? (blocks[ahead / bs] * bs + start % bs) * row : -1;
-    const int n = int(std::min<int64_t>({L, bs - start % bs, k1 - start}));
-    const int64_t base = (blocks[start / bs] * bs + start % bs) * row;
+  walk_tiles<L>(blocks, k0, k1, bs, row, [&](int64_t base, int64_t next, int n) {
     for (int h = 0; h < hkv; ++h) {
       const int64_t at = base + h * C * L, nat = next < 0 ? at : next + h * C * L;  // no later block: the tile
       if (n == L)
@@ -124,8 +116,7 @@ void attend(const V* q, int G, int C, int hkv, const T* kc, const T* vc, const i
       else
         attend_tile<CT, false>(q + h * G * C, G, C, kc + at, vc + at, kc + nat, vc + nat, row, n, lut, p[h]);
     }
-    start += n;
-  }
+  });
 }
 
 template <typename T, typename O>

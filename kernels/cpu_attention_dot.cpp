@@ -22,7 +22,6 @@ namespace {
 using namespace tierkv_vec;
 
 constexpr int L = 16;      // tokens per tile
-constexpr int kAhead = 4;  // blocks prefetched ahead
 
 inline __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
@@ -101,24 +100,15 @@ void attend(const at::BFloat16* qp, int hkv, const at::BFloat16* kc, const at::B
   static const Pairs pr;
   constexpr int D = C2 * 32;
   __m512i q[G * C2];
-  for (int h = 0; h < hkv; ++h) {
-    std::fill(p[h].m, p[h].m + G, -kInf);
-    std::fill(p[h].l, p[h].l + G, 0.f);
-    std::fill(p[h].acc, p[h].acc + G * 2 * C2, vfw{});
-  }
+  reset(p, hkv, G, 2 * C2);
   const int64_t row = int64_t(hkv) * D;  // elements between tokens of a block
-  for (int64_t start = k0; start < k1;) {
-    const int64_t ahead = (start / bs + kAhead) * bs;  // a valid block id while < k1
-    const int64_t next = ahead < k1 ? (blocks[ahead / bs] * bs + start % bs) * row : -1;
-    const int n = int(std::min<int64_t>({L, bs - start % bs, k1 - start}));
-    const int64_t base = (blocks[start / bs] * bs + start % bs) * row;
+  walk_tiles<L>(blocks, k0, k1, bs, row, [&](int64_t base, int64_t next, int n) {
     for (int h = 0; h < hkv; ++h) {
       for (int i = 0; i < G * C2; ++i) q[i] = _mm512_loadu_si512(qp + (h * G + i / C2) * D + i % C2 * 32);
       const int64_t at = base + h * D, nat = next < 0 ? at : next + h * D;  // no later block: the tile
       tile<G, C2>(q, kc + at, vc + at, kc + nat, vc + nat, row, n, scale, pr, p[h]);
     }
-    start += n;
-  }
+  });
 }
 
 using AttendFn = void (*)(const at::BFloat16*, int, const at::BFloat16*, const at::BFloat16*, const int64_t*,
