@@ -77,6 +77,16 @@ def median_time(fn: Callable[[], Any], repeat: int = 5, warmup: int = 1) -> floa
     return statistics.median(times)
 
 
+def memcpy_bw(nbytes: int, repeat: int = 7) -> float:
+    """Bytes per second of one torch copy of nbytes on every thread (median; the warm-up copy
+    faults the pages in): the memory baseline that benchmarks measure in the same run."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return nbytes / median_time(lambda: dst.copy_(src), repeat=repeat)
+
+
 def goal(name: str, value: float, op: str, target: float, unit: str = "") -> dict[str, Any]:
     if op not in (">=", "<="):
         raise ValueError(f"goal op must be '>=' or '<=', got {op!r}")

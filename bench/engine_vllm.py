@@ -18,29 +18,19 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from bench.common import goal, print_table, write_results
+from bench.common import goal, memcpy_bw, print_table, write_results
 from bench.engine_cases import FULL, QUICK, run_cases
 from bench.engine_worker import Worker
 
 
-def memcpy_gbps(mib: int = 256, runs: int = 9) -> float:
-    """Bytes copied per second by one large torch copy on every thread (median)."""
-    src = torch.ones(mib << 20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # faults the pages in
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return (mib << 20) / statistics.median(times) / 1e9
+def memcpy_gbps() -> float:
+    return memcpy_bw(256 << 20, repeat=9) / 1e9
 
 
 def weight_bytes(model: Path) -> int:

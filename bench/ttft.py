@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import add_model_arg, goal, median_time, parser, print_table, write_results
+from bench.common import (
+    add_model_arg,
+    goal,
+    memcpy_bw,
+    parser,
+    print_table,
+    write_results,
+)
 from bench.models import BenchModel, bench_model
 from tests.services import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
@@ -44,12 +51,6 @@ def llm(cfg: str | dict, conn=None, prefix: bool = False, kv_bytes: int = 256 <<
 
 def ttft(engine: LLM, prompt: list[int]) -> float:
     return engine.generate([prompt], FIRST, use_tqdm=False)[0].metrics.ttft
-
-
-def memcpy_bw(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    return nbytes / median_time(lambda: dst.copy_(src), repeat=7)
 
 
 def decode_speed(model: BenchModel, conn, n: int, out_len: int) -> float:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from tierkv.storage_backends.base import check_key, check_namespace
 from tierkv.storage_backends.segment import SegmentError, SegmentHeader, decode_layer_bytes
-from tierkv.storage_backends.stream import LayerSink
+from tierkv.storage_backends.stream import LayerSink, open_all
 
 if TYPE_CHECKING:
     from tierkv.storage_backends.redis_tier import RedisTier
@@ -60,17 +60,14 @@ async def stream_values(tier: RedisTier, keys: Sequence[bytes], ns: str, sink: L
             heads[i] = SegmentHeader.decode(v)
         except SegmentError as e:
             sink.drop(i, f"tier error: {e}" if not v else f"miss: corrupt: {e}")
-    live = []
+    found: list[SegmentHeader | str | None] = []
     for i, h in enumerate(heads):
-        if h is None:
-            continue
-        if h.key != keys[i]:
+        if h is not None and h.key != keys[i]:
             await tier._corrupt(names[i], SegmentError("stored segment carries another key"))
-            sink.drop(i, "miss: corrupt: stored segment carries another key")
-        elif sink.open(i, h):
-            live.append(i)
+            found.append("miss: corrupt: stored segment carries another key")
         else:
-            sink.drop(i, "refused")
+            found.append(h)
+    live = open_all(sink, found)
     layer = 0
     while live:
         spans = []

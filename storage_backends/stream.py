@@ -127,11 +127,13 @@ def _found(seg: KVSegment | None | BaseException, key: bytes) -> SegmentHeader |
     return seg.header() if seg.key == key else "the tier answered another key"
 
 
-def open_all(sink: LayerSink, found: Sequence[SegmentHeader | str]) -> list[int]:
+def open_all(sink: LayerSink, found: Sequence[SegmentHeader | str | None]) -> list[int]:
     """Open each key whose header a tier found (a refusal drops it) and drop the others with
-    the reason in their place; the keys left to stream."""
+    the reason in their place (None: dropped already); the keys left to stream."""
     live = []
     for i, h in enumerate(found):
+        if h is None:
+            continue
         if isinstance(h, str):
             sink.drop(i, h)
         elif sink.open(i, h):
