@@ -1,10 +1,11 @@
 """TierKVConnector: the engine's connector hooks over a tiered store (local tiers + remote).
 
 Scheduler side: prompt -> chained chunk keys -> one batched lookup -> tokens to load.
-Worker side: loads are fetched and verified on the connector's own loop thread while the
-step starts, then scattered into the request's blocks layer by layer (the forward waits only
-for the layer it is about to read); saves gather each layer's new full chunks out of the
-paged cache into staging buffers during the forward and put them in the background.
+Worker side (connector.worker, shared with tierkv.vllm, over this engine's EngineKV): loads
+are fetched and verified on the connector's own loop thread while the step starts, then
+scattered into the request's blocks layer by layer (the forward waits only for the layer it
+is about to read); saves gather each layer's new full chunks out of the paged cache into
+staging buffers during the forward and put them in the background.
 
 The gather for a save finishes inside save_kv_layer, so a finished request's blocks are
 never needed after its step: request_finished always lets the engine free them at once.
@@ -13,23 +14,20 @@ never needed after its step: request_finished always lets the engine free them a
 from __future__ import annotations
 
 import logging
-import threading
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
 from tierkv.connector.config import ConnectorConfig
-from tierkv.connector.loading import StagingPool, run_load
 from tierkv.connector.loop import LoopThread
-from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan, StepMeta
+from tierkv.connector.plan import ConnectorStats, LoadPlan, RequestState, StepMeta
 from tierkv.connector.requests import model_fingerprint, record_lookup, request_state
-from tierkv.connector.transfer import Layout, LoadJob, book, run_saves, scatter_layer
+from tierkv.connector.transfer import EngineKV, Layout
+from tierkv.connector.worker import WorkerCore
 from tierkv.engine.kv_connector import KVConnector
-from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
+from tierkv.kernels import FP8, RotaryEmbedding
 from tierkv.storage_backends.base import Tier
-from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.keys import ChunkHasher, Salt
 from tierkv.storage_backends.segment import VERSION, dtype_name
 from tierkv.storage_backends.store import TieredStore
@@ -45,22 +43,16 @@ class TierKVConnector(KVConnector):
         self.config = config or ConnectorConfig()
         self.stats = ConnectorStats()
         self.loop = LoopThread()
-        self.staging = StagingPool(int(self.config.staging_bytes))
         self.store = self.loop.run(self._build_store(tiers))
+        self.worker = WorkerCore(self.loop, self.store, self.config, self.stats)
         self.ns = self.config.namespace
         self.states: dict[str, RequestState] = {}
         self.finished: dict[str, dict[str, Any]] = {}  # metrics of finished requests, read once
         self.pending_loads: list[LoadPlan] = []
-        self.meta = StepMeta()
-        self.job: LoadJob | None = None
-        self.pending_saves = 0
         self.steps = 0  # forwards seen
-        self.save_lock = threading.Lock()
-        self.save_futures: list = []
         self.caches: list[torch.Tensor] = []
         self.kv_scales: torch.Tensor | None = None
         self._hasher: ChunkHasher | None = None
-        self._layout: Layout | None = None
         self.model_id: str | None = None
         self.rope: RotaryEmbedding | None = None
         if self.config.metrics_port:
@@ -113,8 +105,9 @@ class TierKVConnector(KVConnector):
             namespace=self.ns,
         )
         self._hasher = ChunkHasher(salt)
-        self._layout = Layout(
-            len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, self.rope
+        layout = Layout(len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, self.rope)
+        self.worker.register(
+            EngineKV(layout, store_dtype, store_dtype == FP8, kv_caches, self.kv_scales)
         )
 
     @property
@@ -123,13 +116,6 @@ class TierKVConnector(KVConnector):
         if self._hasher is None:
             raise RuntimeError("register_kv_caches must be called before the connector is used")
         return self._hasher
-
-    @property
-    def layout(self) -> Layout:
-        """What a segment of this engine must look like (made by register_kv_caches)."""
-        if self._layout is None:
-            raise RuntimeError("register_kv_caches must be called before the connector is used")
-        return self._layout
 
     # -- scheduler side --------------------------------------------------------------------
     def _state(self, request: Any) -> RequestState:
@@ -251,30 +237,10 @@ class TierKVConnector(KVConnector):
                     continue
                 if block_ids is None:
                     block_ids = torch.tensor(seq.block_table, dtype=torch.int32)
-                plan = self._stage(seq.request_id, block_ids, c, st.tokens[c.start : c.end])
+                plan = self.worker.stage(seq.request_id, block_ids, c, st.tokens[c.start : c.end])
                 if plan is not None:
                     meta.saves.append(plan)
         return meta
-
-    def _stage(
-        self, rid: str, block_ids: torch.Tensor, c: Chunk, tokens: np.ndarray
-    ) -> SavePlan | None:
-        with self.save_lock:
-            if self.pending_saves >= self.config.max_pending_saves:
-                self.stats.save_dropped += 1
-                return None
-            self.pending_saves += 1
-        lay, fp8 = self.layout, self.config.kv_dtype == "fp8" or self.caches[0].dtype == FP8
-        dtype = FP8 if fp8 else self.caches[0].dtype
-        staging = torch.empty(
-            lay.num_layers, 2, c.end - c.start, lay.num_kv_heads, lay.head_dim, dtype=dtype
-        )
-        scales = torch.empty(lay.num_layers, 2, lay.num_kv_heads) if fp8 else None
-        return SavePlan(rid, block_ids, c, tokens, staging, scales)
-
-    def _saved(self, plan: SavePlan) -> None:
-        with self.save_lock:
-            self.pending_saves -= 1
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         st = self.states.pop(request.request_id, None)
@@ -290,107 +256,37 @@ class TierKVConnector(KVConnector):
 
     # -- worker side -----------------------------------------------------------------------
     def start_load_kv(self, meta: object) -> None:
-        self.meta = meta if isinstance(meta, StepMeta) else StepMeta()
-        if not self.meta.loads:
-            self.job = None
-            return
-        self.job = LoadJob(self.meta.loads, [threading.Event() for _ in self.caches])
-        self.loop.submit(
-            run_load(
-                self.job,
-                self.store,
-                self.ns,
-                self.layout,
-                partial(
-                    scatter_layer,
-                    self.job,
-                    caches=self.caches,
-                    kv_scales=self.kv_scales,
-                    rope=self.layout.rope,
-                ),
-                self.stats,
-                self.config.load_timeout_s,
-                self.staging,
-            )
-        )
+        step = meta if isinstance(meta, StepMeta) else StepMeta()
+        self.worker.bind(step.saves)
+        self.worker.start_load(step.loads)
 
     def wait_for_layer_load(self, layer: int) -> None:
-        job = self.job
-        if job is not None and not job.events[layer].wait(self.config.load_timeout_s):
-            self.stats.load_timeouts += 1
-            job.cancel()
+        self.worker.wait_layer(layer)
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        scales = self.kv_scales
-        ks, vs = (
-            (scales[layer, 0], scales[layer, 1])
-            if kv_layer.dtype == FP8 and scales is not None
-            else (None, None)
-        )
-        for p in self.meta.saves:
-            c = p.chunk
-            gather_kv(
-                kv_layer[0],
-                kv_layer[1],
-                p.block_ids,
-                c.start,
-                c.end - c.start,
-                p.staging[layer],
-                ks,
-                vs,
-                None if p.scales is None else p.scales[layer],
-            )
-            copied("connector.gather", p.staging[layer].numel() * p.staging.element_size())
+        self.worker.save_layer(layer, kv_layer)
 
     def wait_for_save(self) -> None:
         self.steps += 1
-        saves, self.meta = self.meta.saves, StepMeta(loads=self.meta.loads)
-        if saves:
-            fut = self.loop.submit(
-                run_saves(
-                    saves,
-                    self.store,
-                    self.ns,
-                    self.layout.fingerprint,
-                    self.config.codec,
-                    self.stats,
-                    self._saved,
-                )
-            )
-            self.save_futures = [f for f in self.save_futures if not f.done()] + [fut]
+        self.worker.submit()
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         return set(), set()
 
     def get_loaded_ranges(self, request_id: str) -> list[tuple[int, int]]:
-        """Token ranges of request_id whose segments' cached KV this step's load put in its blocks,
-        for every layer; valid after wait_for_layer_load(0). Only verified segments are named (a
-        declared prefix loaded exactly is not: the scheduler counted it as computed)."""
-        job = self.job
-        if job is None:
-            return []
-        return [
-            (p.start, p.end)
-            for p in job.plans
-            if p.request_id == request_id and p.rotate and p.failed_from is None
-        ]
+        return self.worker.loaded_ranges(request_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks from the first token each failed load did not deliver; also books the metrics."""
-        job, self.job = self.job, None
-        return set() if job is None else book(job, self.states, self.stats, self.layout.block_size)
+        return self.worker.load_errors(self.states)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every save so far has reached every tier (tests, benchmarks, shutdown)."""
-        for f in list(self.save_futures):
-            f.result(timeout)
-        self.save_futures = []
-        self.loop.run(self.store.drain(), timeout)
+        self.worker.flush(timeout)
 
     def close(self) -> None:
         try:
-            self.flush()
-            self.loop.run(self.store.close(), 30)
+            self.worker.close()
         finally:
             self.loop.close()

@@ -1,5 +1,6 @@
-"""Worker-side data movement: what a load checks and how it scatters (the stream itself is in
-connector.loading), and the saves.
+"""How KV moves between segments and an engine's paged cache: `PagedKV`, the interface each
+engine implements for the worker core (connector.worker), what a load checks, and tierkv's own
+engine's gather and scatter (the stream itself is in connector.loading).
 
 Safety contract: nothing reaches the paged cache before its segment has passed the tier's
 checksum check and this module's header check (key, parent, fingerprint, tokens, shape,
@@ -9,23 +10,20 @@ blocks to recompute. After `cancel()` returns, no scatter of that job runs any m
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from tierkv.connector.plan import ConnectorStats, LoadPlan, SavePlan
-from tierkv.kernels import RotaryEmbedding, rerotate_k, scatter_kv
-from tierkv.storage_backends.base import Tier
+from tierkv.connector.plan import LoadPlan, SavePlan
+from tierkv.kernels import FP8, RotaryEmbedding, gather_kv, rerotate_k, scatter_kv
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
-
-log = logging.getLogger("tierkv.connector")
 
 
 @dataclass(slots=True)
@@ -56,6 +54,34 @@ class LoadJob:
         for p in self.plans:
             if p.failed_from is None:
                 p.failed_from = p.start
+
+
+Scatter = Callable[[list[list[KVSegment]], int], None]  # (each plan's good segments, layer)
+
+
+class PagedKV(ABC):
+    """An engine's paged KV cache as the worker core reads and writes it: the only code that
+    touches the engine's blocks.
+
+    Safety contract: `scatter` is handed only segments that passed the checksum and header
+    checks, and writes each plan's tokens [start, failed_from or end) into that plan's own
+    blocks and nowhere else; it runs on the connector's loop thread under the job's lock, so
+    after `LoadJob.cancel()` returns it writes nothing more. `gather` has copied its tokens out
+    of the blocks when it returns: after the step the engine may free or reuse them.
+    """
+
+    __slots__ = ()
+    layout: Layout  # what this engine's segments look like
+    dtype: torch.dtype  # a save's staging dtype (the storage dtype)
+    scaled: bool  # fp8 storage: a save stages its per-layer scales too
+
+    @abstractmethod
+    def gather(self, saves: list[SavePlan], layer: int, kv_layer: torch.Tensor) -> None:
+        """Copy layer's K/V of each save's chunk out of kv_layer into its staging[layer]."""
+
+    @abstractmethod
+    def scatter(self, job: LoadJob, segs: list[list[KVSegment]], layer: int) -> None:
+        """Write layer's K/V of segs[i], the verified segments of job.plans[i], into its blocks."""
 
 
 def why_unusable(
@@ -123,68 +149,38 @@ def scatter_layer(
             copied("connector.scatter", src.numel() * src.element_size())
 
 
-Scatter = Callable[[list[list[KVSegment]], int], None]  # (each plan's good segments, layer)
+@dataclass(slots=True, eq=False)
+class EngineKV(PagedKV):
+    """tierkv's engine cache: per layer [2, blocks, block_size, heads, dim]; an fp8 cache
+    dequantizes with kv_scales [L, 2, heads]."""
 
+    layout: Layout
+    dtype: torch.dtype
+    scaled: bool
+    caches: list[torch.Tensor]
+    kv_scales: torch.Tensor | None
 
-async def run_saves(
-    saves: list[SavePlan],
-    store: Tier,
-    ns: str,
-    fingerprint: bytes,
-    codec: str,
-    stats: ConnectorStats,
-    done: Callable[[SavePlan], object],
-) -> None:
-    """Put each staged chunk that the store does not hold yet; done(plan) frees its staging."""
-    for plan in saves:
-        t0 = time.perf_counter()
-        try:
-            c = plan.chunk
-            if (await store.contains([c.key], ns))[0]:
-                stats.save_skipped += 1
-                continue
-            seg = KVSegment.from_tensor(
-                plan.staging,
-                key=c.key,
-                parent=c.parent,
-                tokens=plan.tokens,
-                fingerprint=fingerprint,
-                base_position=c.start,
-                codec=codec,
-                scales=None if plan.scales is None else plan.scales.numpy(),
+    def gather(self, saves: list[SavePlan], layer: int, kv_layer: torch.Tensor) -> None:
+        scales = self.kv_scales
+        ks, vs = (
+            (scales[layer, 0], scales[layer, 1])
+            if kv_layer.dtype == FP8 and scales is not None
+            else (None, None)
+        )
+        for p in saves:
+            c = p.chunk
+            gather_kv(
+                kv_layer[0],
+                kv_layer[1],
+                p.block_ids,
+                c.start,
+                c.end - c.start,
+                p.staging[layer],
+                ks,
+                vs,
+                None if p.scales is None else p.scales[layer],
             )
-            seg.owned = True  # the staging tensor is this segment's alone from here on
-            if await store.put(c.key, seg, ns):
-                stats.saved_chunks += 1
-                stats.saved_bytes += seg.nbytes
-            else:
-                stats.save_dropped += 1
-        except Exception as e:
-            stats.save_dropped += 1
-            log.warning("connector save of request %s failed: %r", plan.request_id, e)
-        finally:
-            done(plan)
-            stats.record(stats.save_seconds, time.perf_counter() - t0)
+            copied("connector.gather", p.staging[layer].numel() * p.staging.element_size())
 
-
-def book(job: LoadJob, states: dict, stats: ConnectorStats, block_size: int) -> set[int]:
-    """After a step: count what each plan loaded (per tier) or left to recompute, and return the
-    blocks the engine must recompute. A blend segment that failed before any scatter is not
-    among them: the blend computed its tokens in full."""
-    failed: set[int] = set()
-    for p in job.plans:
-        st = states.get(p.request_id)
-        stop = p.end if p.failed_from is None else p.failed_from
-        if p.failed_from is not None:
-            stats.recomputed_tokens += p.end - p.failed_from
-            if st is not None:
-                st.recomputed += p.end - p.failed_from
-            if not (p.rotate and not job.scattering):
-                first = p.failed_from // block_size
-                failed.update(int(b) for b in p.block_ids[first : -(-p.end // block_size)].tolist())
-        for c, tier in zip(p.chunks, p.tiers):
-            n = max(0, min(stop, c.end) - max(p.start, c.start))
-            stats.loaded_tokens += n
-            if st is not None and n:
-                st.loaded[tier] = st.loaded.get(tier, 0) + n
-    return failed
+    def scatter(self, job: LoadJob, segs: list[list[KVSegment]], layer: int) -> None:
+        scatter_layer(job, segs, layer, self.caches, self.kv_scales, self.layout.rope)

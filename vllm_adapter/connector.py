@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierkv.connector.loop import LoopThread
+from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
@@ -77,20 +78,11 @@ class TierKVConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         else:
             store = self.loop.run(_build(cfg))
-            self.worker = WorkerSide(
-                self.loop,
-                store,
-                cfg.namespace,
-                self.salt.fingerprint(),
-                cfg.codec,
-                cfg.max_pending_saves,
-                cfg.load_timeout_s,
-                int(cfg.staging_bytes),
-            )
+            self.worker = WorkerSide(WorkerCore(self.loop, store, cfg), self.salt.fingerprint())
             if cfg.metrics_port:
                 from tierkv.connector.metrics import serve_metrics
 
-                serve_metrics(self.worker, cfg.metrics_port)
+                serve_metrics(self.worker.core, cfg.metrics_port)
 
     # -- worker side -----------------------------------------------------------------------
     def _w(self) -> WorkerSide:
@@ -119,7 +111,7 @@ class TierKVConnector(KVConnectorBase_V1):
         """Start this step's loads on the connector's thread; returns at once."""
         meta = self._get_connector_metadata()
         if isinstance(meta, TierKVMetadata):
-            self._w().start_load(meta)
+            self._w().core.start_load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this layer's loads are in the blocks (or were given up)."""
@@ -133,7 +125,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Hand the step's staged chunks to the background puts."""
-        self._w().submit_saves()
+        self._w().core.submit()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         done = self._w().finished(finished_req_ids)
@@ -141,12 +133,12 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks from the first token each of this step's loads did not deliver."""
-        return self._w().load_errors()
+        return self._w().core.load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counters changed since the last call: loads and saves from the worker, lookups
         from the scheduler (vLLM asks both sides)."""
-        side = self.worker if self.worker is not None else self.sched
+        side = self.worker.core if self.worker is not None else self.sched
         return None if side is None else self.reporter.delta(side.stats)
 
     @classmethod
@@ -162,8 +154,7 @@ class TierKVConnector(KVConnectorBase_V1):
         """Put every staged save, drain the write-through to the shared tier, close."""
         try:
             if self.worker is not None:
-                self.worker.flush()
-                self.loop.run(self.worker.store.close(), 30)
+                self.worker.core.close()
             elif self.sched is not None:
                 self.loop.run(self.sched.store.close(), 30)
         except Exception as e:
