@@ -16,7 +16,7 @@ from tierkv.cacheserver.metrics import _TierCollector, stats_dict
 
 @dataclass(slots=True, eq=False)
 class ConnectorCollector:
-    connector: Any  # a TierKVConnector
+    connector: Any  # anything with stats and store: a TierKVConnector, a WorkerCore
 
     def collect(self) -> Iterator[Metric]:
         stats = self.connector.stats

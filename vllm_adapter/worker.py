@@ -57,6 +57,8 @@ class VllmKV(PagedKV):
 
 @dataclass(slots=True, eq=False)
 class WorkerSide:
+    """vLLM's worker hooks over the core: layer names, the metadata's saves, held blocks."""
+
     core: WorkerCore
     fingerprint: bytes  # the salt's: every segment this worker reads or writes carries it
     index: dict[str, int] = field(default_factory=dict)  # layer name -> layer
