@@ -54,16 +54,17 @@ proto: $(STAMP)
 	$(BIN)/python -P -m tierkv.proto.build
 
 # mypy cannot follow setuptools' editable finder: it reads tierkv through symlinks,
-# build/typecheck/tierkv/<part> -> <part>/ (mypy_path in pyproject.toml).
+# build/typecheck/tierkv/<part> -> <folder>/ (mypy_path in pyproject.toml). The parts come
+# from pyproject.toml's package-dir, their one list.
+PARTS = $(BIN)/python -P -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
+  print(" ".join(k[7:] + "=" + v for k, v in d["tool"]["setuptools"]["package-dir"].items()))'
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	mkdir -p build/typecheck/tierkv
-	for part in kernels storage_backends cacheserver engine connector proto; do \
-	  ln -sfn ../../../$$part build/typecheck/tierkv/$$part; done
-	ln -sfn ../../../vllm_adapter build/typecheck/tierkv/vllm
-	$(BIN)/mypy -p tierkv.storage_backends -p tierkv.cacheserver -p tierkv.connector \
-	  -p tierkv.engine -p tierkv.kernels -p tierkv.vllm
+	parts="$$($(PARTS))"; \
+	  for p in $$parts; do ln -sfn ../../../$${p#*=} build/typecheck/tierkv/$${p%%=*}; done; \
+	  $(BIN)/mypy $$(for p in $$parts; do echo -p tierkv.$${p%%=*}; done)
 
 # The engine, connector and CacheBlend on the Triton kernels, run by Triton's interpreter.
 test-triton: $(STAMP)
