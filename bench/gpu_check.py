@@ -105,8 +105,11 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu-check needs CUDA (torch.cuda.is_available() is False); on a CPU run "
-              "`make test-triton` for the interpreted Triton path", file=sys.stderr)
+        print(
+            "gpu-check needs CUDA (torch.cuda.is_available() is False); on a CPU run "
+            "`make test-triton` for the interpreted Triton path",
+            file=sys.stderr,
+        )
         return 2
     import triton
 
