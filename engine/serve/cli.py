@@ -8,23 +8,26 @@ from typing import Any
 
 from tierkv.engine.llm import LLM
 from tierkv.engine.serve.config import ServeConfig
+from tierkv.storage_backends.knobs import knob_help
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
-    d = ServeConfig()
-    s = p.add_argument_group("server (see ServeConfig)")
-    s.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=d.port)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    s.add_argument("--served-model-name", default=None, help="model id (default: --model)")
+    d, sc = ServeConfig(), ServeConfig
+    s = p.add_argument_group("server (ServeConfig)")
+    s.add_argument("--host", default=d.host, help=knob_help(sc, "host"))
+    s.add_argument("--port", type=int, default=d.port, help=knob_help(sc, "port"))
+    s.add_argument("--api-key", default=None, help=knob_help(sc, "api_key"))
     s.add_argument(
-        "--max-pending", type=int, default=d.max_pending, help="requests held at once; more get 429"
+        "--served-model-name", default=None, help=knob_help(sc, "model_name", "--model's name")
+    )
+    s.add_argument(
+        "--max-pending", type=int, default=d.max_pending, help=knob_help(sc, "max_pending")
     )
     s.add_argument(
         "--default-max-tokens",
         type=int,
         default=d.default_chat_max_tokens,
-        help="chat max_tokens when a request omits it",
+        help=knob_help(sc, "default_chat_max_tokens"),
     )
 
 

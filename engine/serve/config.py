@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class ServeConfig:
-    # Loopback by default: exposing an unauthenticated model server is a deliberate choice.
+    # Address to bind; loopback by default: exposing a model server is a deliberate choice.
     host: str = "127.0.0.1"
-    port: int = 8000  # 0 picks a free port (printed at start)
+    port: int = 8000  # HTTP port; 0 picks a free one (printed at start)
     # When set, every /v1 request needs `Authorization: Bearer <api_key>` (else 401);
     # /health and /metrics stay open for probes and scrapers.
     api_key: str | None = None
@@ -19,9 +19,9 @@ class ServeConfig:
     max_pending: int = 256
     max_n: int = 16  # most samples (n) one request may ask for
     max_logprobs: int = 20  # most top logprobs per token (the OpenAI API allows 20)
-    # max_tokens when a request omits it: the OpenAI completions default is 16; chat runs to
-    # the context limit, capped here so a forgotten max_tokens cannot hold a slot for long.
-    default_max_tokens: int = 16
+    default_max_tokens: int = 16  # completions' max_tokens when omitted (the OpenAI default)
+    # chat's max_tokens when omitted: chat runs to the context limit, capped here so a
+    # forgotten max_tokens cannot hold a slot for long
     default_chat_max_tokens: int = 512
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     # How long the engine thread sleeps when idle before rechecking (a new request wakes it).
