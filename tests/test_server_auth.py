@@ -21,9 +21,9 @@ from tests.test_stream import Sink
 from tierkv.cacheserver import config as cfg
 from tierkv.cacheserver.auth import bearer
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_client import DataTier
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.dataplane.protocol import HELLO, pack
 from tierkv.cacheserver.frames import put_frames
-from tierkv.cacheserver.shm import HELLO, pack
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment

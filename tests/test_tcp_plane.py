@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_client import DataTier
-from tierkv.cacheserver.shm import (
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.dataplane.protocol import (
     BAD_REQUEST,
     GET,
     HEAD,
