@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.segment import KVSegment
 

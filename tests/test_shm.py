@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.dataplane.client import DataTier
 from tierkv.cacheserver.dataplane.protocol import (
@@ -31,6 +30,7 @@ from tierkv.cacheserver.dataplane.protocol import (
     pack,
 )
 from tierkv.cacheserver.dataplane.region import ALIGN, RangeAllocator
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.storage_backends.segment import KVSegment
 
 TOKENS = "alpha-token=tenant-a,beta-token=tenant-b"

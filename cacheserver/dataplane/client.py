@@ -55,6 +55,11 @@ class DataTier(RemoteTier):
     def __post_init__(self) -> None:
         self._start_stats(device="shm")
 
+    @property
+    def session_open(self) -> bool:
+        """Whether a data plane session is open: loads and saves take the data plane, not gRPC."""
+        return self._session is not None
+
     async def _open(self) -> Session | None:
         r = await self._retry(
             "data plane", lambda: self.stub.DataPlane(pb.DataPlaneRequest(), **self._opts())
