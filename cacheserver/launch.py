@@ -1,8 +1,8 @@
 """Processes a script starts beside its engine: a Redis (or a Redis Cluster), a cache server,
 an engine's OpenAI server (`tierkv-engine serve`). Benchmarks and tests start what they need
-on free ports of 127.0.0.1 and stop it; each process's output goes to a file, since a pipe
-nobody reads would block it once full. Plain dataclasses, not slotted: a test may keep what
-it made for a process (its certificate, its Redis) on the process object.
+on free ports of 127.0.0.1 and stop it. A server's or an engine's output goes to a log file: a
+pipe nobody reads would block it once full. Plain dataclasses, not slotted: a test may keep
+what it made for a process (its certificate, its Redis) on the process object.
 """
 
 from __future__ import annotations
