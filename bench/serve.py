@@ -23,7 +23,7 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.common import RESULTS, goal, parser, print_table, write_results
-from tests.services import ServerProcess
+from tierkv.cacheserver.launch import ServerProcess
 
 SLO_TTFT, SLO_TPOT = 2.0, 0.25
 # tokens: the system prompt all sessions share, a session's own context (a document pasted in
@@ -39,7 +39,7 @@ def model_path(name: str) -> str:
 
 
 def start_replicas(model: str, shared: str | None, n: int = 2) -> list[Any]:
-    from tests.serve_helpers import ServeProcess
+    from tierkv.cacheserver.launch import ServeProcess
 
     src = ["--model", model] if model != "bench" else ["--random-config", "bench"]
     flags = ["--dtype", "bf16", "--max-pending", "1024", "--kv-cache-bytes", str(256 << 20)]

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.services import free_port
+from tierkv.cacheserver.launch import free_port
 
 
 def hf_checkpoint(path: Path) -> Path:

@@ -27,9 +27,9 @@ import torch
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_client import DataTier
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
@@ -135,7 +135,7 @@ async def bench_tierkv(
 
     t_put = await rounds(put, clients, repeat)
     t_get = await rounds(get, clients, repeat)
-    if path != "grpc" and any(t.stats().errors or t._session is None for t in tiers):
+    if path != "grpc" and any(t.stats().errors or not t.session_open for t in tiers):
         raise RuntimeError(f"the {path} data plane was not used; the benchmark is broken")
     for t in tiers:
         for r in range(-1, repeat):
@@ -181,7 +181,7 @@ async def bench_stream(target: str, seg: KVSegment, n: int, repeat: int, path: s
         await t.stream(keys, "default", sink)
         if r:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
-    if t.stats().errors or t._session is None:
+    if t.stats().errors or not t.session_open:
         raise RuntimeError(f"the {path} data plane was not used; the benchmark is broken")
     for k in keys:
         await t.delete(k)

@@ -33,9 +33,9 @@ import xxhash
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_client import DataTier
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment

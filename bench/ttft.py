@@ -27,7 +27,7 @@ from bench.common import (
     write_results,
 )
 from bench.models import BenchModel, bench_model
-from tests.services import RedisProcess, ServerProcess
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig

@@ -23,10 +23,21 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from tests.services import ServerProcess
-from tests.vllm.harness import ENV
+from bench.serve_vllm import hf_checkpoint
+from tierkv.cacheserver.launch import ServerProcess
 
 DECODE_PROMPT, DECODE_TOKENS = 256, 128
+# vLLM's processes here: offline, no usage reports, every core and 2 GiB of KV cache for its CPU
+# backend, the engine core in the same process.
+ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+}
 
 
 def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +122,7 @@ def run_role(role: str, model: Path, job: dict[str, Any], tmp: Path) -> dict[str
     path = tmp / f"{role}.json"
     path.write_text(json.dumps(job))
     log = open(tmp / f"{role}.log", "w")
-    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = {**os.environ, **ENV}
     cmd = [sys.executable, "-m", "bench.vllm", "--child", role, str(model), str(path)]
     subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=1800)
     out = path.with_suffix(".out")
@@ -126,7 +137,6 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(*args.child)
-    from tests.vllm.harness import smollm2_checkpoint
 
     lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8000]
     repeat = 1 if args.quick else 3
@@ -134,7 +144,7 @@ def main() -> None:
     prompts = {str(n): [rng.randrange(100, 49000) for _ in range(n)] for n in lengths}
     decode = [rng.randrange(100, 49000) for _ in range(DECODE_PROMPT)]
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    model, _ = smollm2_checkpoint(tmp)
+    model = hf_checkpoint(tmp / "smollm2-hf")
     server = ServerProcess(args=["--cpu-bytes", "1GiB"]).start()
     job = {
         "prompts": prompts,

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tierkv.cacheserver import wire
 from tierkv.cacheserver.config import ServerConfig
-from tierkv.cacheserver.dataplane import DataPlane
+from tierkv.cacheserver.dataplane.server import DataPlane
 from tierkv.cacheserver.frames import parser
 from tierkv.cacheserver.metrics import Metrics
 from tierkv.cacheserver.servicer import Servicer

@@ -105,7 +105,7 @@ def server_tier(
     with a server on this host (127.0.0.1, localhost, ::1) unless shared_memory is False, its
     TCP data port otherwise (over TLS with grpcs://)."""
     from tierkv.cacheserver.client import RemoteTier
-    from tierkv.cacheserver.data_client import DataTier
+    from tierkv.cacheserver.dataplane.client import DataTier
 
     tls = url.startswith("grpcs://")
     if tls and tls_ca is None:

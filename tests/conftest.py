@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.services import RedisProcess
+from tierkv.cacheserver.launch import RedisProcess
 
 # tests/vllm needs vLLM, which lives in .venv-vllm: `make test-vllm` runs it there.
 collect_ignore = [] if os.environ.get("TIERKV_VLLM_TESTS") == "1" else ["vllm"]
@@ -41,7 +41,7 @@ def redis_proc():
 @pytest.fixture(scope="module")
 def redis_cluster():
     """A 3-master Redis Cluster on free ports, shared by the tests of one module."""
-    from tests.services import RedisCluster
+    from tierkv.cacheserver.launch import RedisCluster
 
     c = RedisCluster(masters=3).start()
     yield c

@@ -1,21 +1,16 @@
 """A tiny random checkpoint with a word-level tokenizer and chat template, and tierkv serve
-run in this process (a thread) or as a real subprocess."""
+run in this process (a thread); as a subprocess it is tierkv.cacheserver.launch.ServeProcess."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from tests.services import free_port, wait_port
 from tests.test_hf_match import save_checkpoint
+from tierkv.cacheserver.launch import free_port
 
 # Roles as words: the word-level tokenizer encodes each rendered word to one token, and a
 # reply decodes to words that re-encode to the same ids (turn N's prompt prefixes turn N+1's).
@@ -80,53 +75,3 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
-
-
-class ServeProcess:
-    """`tierkv-engine serve` as a subprocess; its output in a log file."""
-
-    def __init__(self, *args: str) -> None:
-        """args: the serve flags, the model's included (--model PATH or --random-config)."""
-        self.port = free_port()
-        self.log = Path(tempfile.mkdtemp(prefix="tierkv-serve-")) / "serve.log"
-        cmd = [
-            sys.executable,
-            "-P",  # not the repository's folders (kernels/ would shadow HF's `kernels`)
-            "-m",
-            "tierkv.engine.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            "tiny",
-            *args,
-        ]
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait(self, timeout: float = 60.0) -> ServeProcess:
-        deadline = time.monotonic() + timeout
-        while "tierkv serve:" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"serve did not start:\n{self.log.read_text()}")
-            time.sleep(0.1)
-        wait_port(self.port, timeout)
-        return self
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()

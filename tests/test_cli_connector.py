@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from tests.services import ServerProcess
+from tierkv.cacheserver.launch import ServerProcess
 
 
 def cli(*args: str) -> list[dict]:

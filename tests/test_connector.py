@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.services import ServerProcess
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
@@ -330,7 +330,7 @@ def test_salts_other_model_dtype_or_namespace_never_hit(redis_proc) -> None:
 def test_prometheus_metrics(cold) -> None:
     import urllib.request
 
-    from tests.services import free_port
+    from tierkv.cacheserver.launch import free_port
 
     port = free_port()
     conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", metrics_port=port))

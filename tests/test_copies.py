@@ -11,7 +11,7 @@ import torch
 from tierkv.cacheserver.cli import build_store
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.config import ServerConfig
-from tierkv.cacheserver.data_client import DataTier
+from tierkv.cacheserver.dataplane.client import DataTier
 from tierkv.cacheserver.server import Server
 from tierkv.storage_backends.base import DEFAULT_NAMESPACE as NS
 from tierkv.storage_backends.copies import copied, counting

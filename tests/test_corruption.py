@@ -10,9 +10,9 @@ import pytest
 import redis
 import torch
 
-from tests.services import RedisProcess, ServerProcess
 from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.storage_backends.header import PREFIX, checksum
 from tierkv.storage_backends.segment import KVSegment

@@ -16,9 +16,9 @@ import grpc
 import pytest
 import torch
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.frames import put_frames
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig

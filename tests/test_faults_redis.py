@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from tests.services import RedisCluster, RedisProcess
 from tests.test_connector import CHUNK, GREEDY, engine, tokens
+from tierkv.cacheserver.launch import RedisCluster, RedisProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment

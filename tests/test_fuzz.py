@@ -22,8 +22,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.frames import put_frames
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.segment import KVSegment
 

@@ -6,6 +6,9 @@ CAs, and the Redis tier works over rediss:// against a TLS-only redis-server."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import grpc
 import pytest
 import redis
@@ -13,10 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.services import RedisProcess, ServerProcess, TlsRedisProcess
 from tests.test_connector import CHUNK, GREEDY, HIT, PROMPT, engine
 from tests.test_server_auth import self_signed
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
@@ -25,6 +28,37 @@ from tierkv.storage_backends.segment import KVSegment
 
 TOKENS = {"a": "token-tenant-a-01", "b": "token-tenant-b-02"}
 NS = {"a": "tenant-a", "b": "tenant-b"}
+
+
+@dataclass
+class TlsRedisProcess(RedisProcess):
+    """A redis-server that speaks TLS only (its plaintext port is off), with the given PEM
+    certificate and key (tests make a self-signed pair); `url` is rediss:// with the CA."""
+
+    cert: Path | None = None
+    key: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
+
+    def start(self) -> TlsRedisProcess:
+        self.extra = [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(self.cert),
+            "--tls-key-file",
+            str(self.key),
+            "--tls-ca-cert-file",
+            str(self.cert),
+            "--tls-auth-clients",
+            "no",
+        ]
+        RedisProcess.start(self)
+        return self
 
 
 def segment(seed: int, tenant: str) -> KVSegment:

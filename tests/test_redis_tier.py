@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from tests.services import RedisProcess
+from tierkv.cacheserver.launch import RedisProcess
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment, decode_layer
 

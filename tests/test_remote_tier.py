@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from tests.services import ServerProcess, free_port
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.frames import pieces, put_frames
+from tierkv.cacheserver.launch import ServerProcess, free_port
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment, decode_layer

@@ -12,8 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.serve_helpers import ServeProcess, tiny_checkpoint, words
-from tests.services import ServerProcess
+from tests.serve_helpers import tiny_checkpoint, words
+from tierkv.cacheserver.launch import ServeProcess, ServerProcess
 from tierkv.engine import LLM, SamplingParams
 
 SYSTEM = words([40 + i % 200 for i in range(300)])  # a long shared history to carry over

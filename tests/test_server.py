@@ -12,10 +12,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.services import RedisProcess, ServerProcess, free_port
 from tierkv.cacheserver import cli
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.frames import put_frames
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess, free_port
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment, decode_layer

@@ -16,14 +16,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tests.services import ServerProcess
 from tests.test_stream import Sink
 from tierkv.cacheserver import config as cfg
 from tierkv.cacheserver.auth import bearer
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_client import DataTier
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.dataplane.protocol import HELLO, pack
 from tierkv.cacheserver.frames import put_frames
-from tierkv.cacheserver.shm import HELLO, pack
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment

@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.frames import put_frames
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment

@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.segment import KVSegment
 
@@ -102,7 +102,7 @@ def data_plane_puts(target: str, rss, sessions: int = 60) -> tuple[int, list[int
     """`sessions` data plane PUTs (TCP) that each declare 256 MiB and send 1 MiB, then hang:
     the RSS growth while they are open, and each one's status: BUSY, RESET (refused with our
     bytes unread, so the kernel reset the connection) or -1 (still receiving)."""
-    from tierkv.cacheserver.shm import BUSY, HEAD, HELLO, PUT, pack
+    from tierkv.cacheserver.dataplane.protocol import BUSY, HEAD, HELLO, PUT, pack
 
     async def port() -> int:
         t = RemoteTier(target=target)
@@ -142,7 +142,7 @@ def data_plane_puts(target: str, rss, sessions: int = 60) -> tuple[int, list[int
 
 def test_data_plane_puts_reserve_nothing_either(server) -> None:
     proc = psutil.Process(server.proc.pid)
-    from tierkv.cacheserver.shm import BUSY
+    from tierkv.cacheserver.dataplane.protocol import BUSY
 
     grown, codes = data_plane_puts(server.target, lambda: proc.memory_info().rss)
     assert grown <= BUDGET + 40 * MiB, f"RSS grew by {grown / MiB:.0f} MiB"
@@ -156,7 +156,7 @@ def test_data_plane_puts_reserve_nothing_either(server) -> None:
     )
 
     async def roundtrip() -> bool:  # every byte went back to the budget
-        from tierkv.cacheserver.data_client import DataTier
+        from tierkv.cacheserver.dataplane.client import DataTier
 
         tier = DataTier(target=server.target, shared_memory=False)
         try:

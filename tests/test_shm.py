@@ -17,11 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_client import DataTier
-from tierkv.cacheserver.shm import (
-    ALIGN,
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.dataplane.protocol import (
     BAD_REQUEST,
     GET,
     HEAD,
@@ -29,9 +27,10 @@ from tierkv.cacheserver.shm import (
     OK,
     RELEASE,
     UNAUTHENTICATED,
-    RangeAllocator,
     pack,
 )
+from tierkv.cacheserver.dataplane.region import ALIGN, RangeAllocator
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.storage_backends.segment import KVSegment
 
 TOKENS = "alpha-token=tenant-a,beta-token=tenant-b"
@@ -210,7 +209,7 @@ def test_bad_tokens_and_malformed_requests_are_refused(server) -> None:
 
 CLIENT = """
 import asyncio, sys, torch
-from tierkv.cacheserver.data_client import DataTier
+from tierkv.cacheserver.dataplane.client import DataTier
 from tierkv.storage_backends.segment import KVSegment
 async def main():
     t = DataTier(target=sys.argv[1], token="alpha-token")

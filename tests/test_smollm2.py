@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from tests.services import RedisProcess, ServerProcess
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.models import pull

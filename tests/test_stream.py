@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.conn import Conn
-from tierkv.cacheserver.data_client import DataTier
-from tierkv.cacheserver.data_session import Session
-from tierkv.cacheserver.shm import FRAME, HEAD, INLINE, OK
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.dataplane.client_session import Session
+from tierkv.cacheserver.dataplane.conn import Conn
+from tierkv.cacheserver.dataplane.protocol import FRAME, HEAD, INLINE, OK
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.storage_backends.copies import counting
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig

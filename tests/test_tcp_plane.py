@@ -12,10 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.services import ServerProcess
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.data_client import DataTier
-from tierkv.cacheserver.shm import (
+from tierkv.cacheserver.dataplane.client import DataTier
+from tierkv.cacheserver.dataplane.protocol import (
     BAD_REQUEST,
     GET,
     HEAD,
@@ -27,6 +26,7 @@ from tierkv.cacheserver.shm import (
     UNAUTHENTICATED,
     pack,
 )
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.segment import KVSegment
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.services import free_port
+from tierkv.cacheserver.launch import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import RedisProcess
 from tests.vllm.conftest import prompt
 from tests.vllm.harness import Engine
+from tierkv.cacheserver.launch import RedisProcess
 
 PROMPTS = [prompt(200 + 24 * i, 10 + i) for i in range(4)]
 SMALL = {  # 64-token prefill steps; 20 blocks of 32 tokens for four ~250-token requests

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import ServerProcess
 from tests.vllm.conftest import prompt
 from tests.vllm.harness import Engine
 from tierkv.cacheserver.client import RemoteTier
+from tierkv.cacheserver.launch import ServerProcess
 from tierkv.storage_backends.segment import KVSegment
 
 TOKENS = "tok-a-123456=team-a,tok-a2-123456=team-a,tok-b-123456=team-b"

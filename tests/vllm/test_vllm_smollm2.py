@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import ServerProcess
 from tests.vllm.harness import Engine, smollm2_checkpoint
+from tierkv.cacheserver.launch import ServerProcess
 
 SYSTEM = (
     "You are the help desk of a public library. Answer every question in one short, plain "

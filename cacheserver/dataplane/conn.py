@@ -1,5 +1,6 @@
-"""One data plane connection: a non-blocking socket, TLS-wrapped on the TCP port when the server
-has TLS (an `ssl.SSLObject` over memory BIOs: asyncio's sock_* calls take no SSL socket).
+"""One data plane connection, on either side: a non-blocking socket, TLS-wrapped on the TCP port
+when the server has TLS (an `ssl.SSLObject` over memory BIOs: asyncio's sock_* calls take no SSL
+socket).
 
 Safety contract: `recv_exactly` and `recv_into` return only once every byte asked for arrived
 (EOFError when the peer closes first); with TLS nothing leaves or enters the process
@@ -14,8 +15,6 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
-
-from tierkv.cacheserver.shm import recv_exactly, recv_into
 
 T = TypeVar("T")
 READ = 256 * 1024  # encrypted bytes taken from the socket per read
@@ -68,14 +67,14 @@ class Conn:
 
     async def recv_exactly(self, n: int) -> bytes:
         if self.tls is None:
-            return await recv_exactly(self.sock, n)
+            return await _sock_recv_exactly(self.sock, n)
         buf = bytearray(n)
         await self.recv_into(memoryview(buf))
         return bytes(buf)
 
     async def recv_into(self, view: memoryview) -> None:
         if self.tls is None:
-            return await recv_into(self.sock, view)
+            return await _sock_recv_into(self.sock, view)
         tls, got = self.tls, 0
         while got < len(view):
             rest = view[got:]
@@ -103,3 +102,34 @@ def tls_context(ca: str | bytes) -> ssl.SSLContext:
     as the gRPC channel does."""
     pem = ca if isinstance(ca, bytes) else open(ca, "rb").read()
     return ssl.create_default_context(cadata=pem.decode())
+
+
+async def _sock_recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """n bytes from a non-blocking socket; EOFError when it closes first."""
+    try:  # most messages are already there: no future, no loop round
+        first = sock.recv(n)
+    except (BlockingIOError, InterruptedError):
+        first = b""
+    else:
+        if not first and n:
+            raise EOFError("connection closed")
+    if len(first) == n:
+        return first
+    buf = bytearray(n)
+    buf[: len(first)] = first
+    await _sock_recv_into(sock, memoryview(buf)[len(first) :])
+    return bytes(buf)
+
+
+async def _sock_recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill view from a non-blocking socket (the kernel's copy only); EOFError when it closes
+    first."""
+    loop, got, n = asyncio.get_running_loop(), 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except (BlockingIOError, InterruptedError):
+            k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise EOFError("connection closed")
+        got += k

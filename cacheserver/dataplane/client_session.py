@@ -1,5 +1,6 @@
-"""One client session of the server's data plane (protocol in cacheserver.shm): its socket,
-its shared-memory region when the server is on this host, and the GET and PUT exchanges.
+"""One client session of the server's data plane (protocol in cacheserver.dataplane.protocol):
+its socket, its shared-memory region when the server is on this host, and the GET, PUT and
+STREAM exchanges.
 
 Safety contract: one exchange on the socket at a time (`io`); every reply is checked against
 what was asked (count, key, shape, range inside the region, sizes within the caller's limit)
@@ -16,11 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from tierkv.cacheserver.conn import Conn
-from tierkv.cacheserver.data_stream import Inbound
-from tierkv.cacheserver.shm import (
+from tierkv.cacheserver.dataplane.conn import Conn
+from tierkv.cacheserver.dataplane.protocol import (
     FRAME,
     FULL,
     GET,
@@ -32,9 +30,11 @@ from tierkv.cacheserver.shm import (
     RELEASE,
     REPLY,
     STREAM,
-    Region,
+    buffer,
     pack,
 )
+from tierkv.cacheserver.dataplane.region import Region
+from tierkv.cacheserver.dataplane.stream_client import Inbound
 from tierkv.storage_backends.buffers import copy_into, out_view
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
@@ -197,11 +197,7 @@ class Session:
         assert self.region is not None
         if h.key != w.key or h.payload_raw_nbytes != size or off + size > self.region.size:
             raise ValueError("data plane answered a range that does not fit the segment")
-        into = (
-            torch.empty(size, dtype=torch.uint8).numpy().data
-            if w.out is None
-            else out_view(w.out, size)
-        )
+        into = buffer(size) if w.out is None else out_view(w.out, size)
         if into is None:  # a device tensor: the caller's gRPC path copies into it
             raise Elsewhere("out is on a device")
         # One memcpy on this thread: torch's threaded copy stalls whenever another process
@@ -223,7 +219,7 @@ class Session:
         if h.key != w.key or h.payload_raw_nbytes != size:
             raise ValueError("data plane answered a payload that does not fit the segment")
         into = None if w.out is None else out_view(w.out, size)
-        buf = torch.empty(size, dtype=torch.uint8).numpy().data if into is None else into
+        buf = buffer(size) if into is None else into
         await self.conn.recv_into(buf)
         try:
             seg = KVSegment.from_raw(h, buf, verify=True)

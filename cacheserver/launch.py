@@ -1,13 +1,17 @@
-"""Real dependencies for tests: redis-server processes on free ports.
-
-Tests start what they need and stop it; nothing here is mocked.
+"""Processes a script starts beside its engine: a Redis (or a Redis Cluster), a cache server,
+an engine's OpenAI server (`tierkv-engine serve`). Benchmarks and tests start what they need
+on free ports of 127.0.0.1 and stop it. A server's or an engine's output goes to a log file: a
+pipe nobody reads would block it once full. Plain dataclasses, not slotted: a test may keep
+what it made for a process (its certificate, its Redis) on the process object.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -17,7 +21,8 @@ from pathlib import Path
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def wait_port(port: int, timeout: float = 10.0) -> None:
@@ -34,8 +39,12 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
 def redis_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
-        raise RuntimeError("redis-server not found: run `make test`, which installs one")
+        raise RuntimeError("redis-server not found: run `make setup`, which installs one")
     return path
+
+
+def _temp_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 @dataclass
@@ -43,29 +52,17 @@ class RedisProcess:
     """One redis-server on 127.0.0.1, persistence off; restartable on the same port."""
 
     port: int = field(default_factory=free_port)
-    extra: list[str] = field(default_factory=list)
-    dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="tierkv-redis-")))
-    proc: subprocess.Popen | None = None
+    extra: list[str] = field(default_factory=list)  # more redis-server flags
+    dir: Path = field(default_factory=lambda: _temp_dir("tierkv-redis-"))
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisProcess:
-        args = [
-            redis_binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.dir),
-            *self.extra,
-        ]
+        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no", "--dir", str(self.dir), *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
         return self
@@ -103,8 +100,8 @@ def _cluster_port() -> int:
 class RedisCluster:
     """A Redis Cluster of `masters` redis-server processes (each with `replicas` replicas).
 
-    Nodes are RedisProcess objects in cluster mode, so a test can kill or restart one
-    (failover tests kill a master and wait for its replica to take over).
+    Nodes are RedisProcess objects in cluster mode, so a caller can kill or restart one (a
+    master killed, its replica takes over).
     """
 
     masters: int = 3
@@ -116,30 +113,14 @@ class RedisCluster:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisCluster:
+        flags = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]
+        flags += ["--cluster-config-file", "nodes.conf"]
         for _ in range(self.masters * (1 + self.replicas)):
-            node = RedisProcess(
-                port=_cluster_port(),
-                extra=[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                ],
-            )
-            self.nodes.append(node.start())
+            self.nodes.append(RedisProcess(port=_cluster_port(), extra=list(flags)).start())
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         subprocess.run(
-            [
-                "redis-cli",
-                "--cluster",
-                "create",
-                *addrs,
-                "--cluster-replicas",
-                str(self.replicas),
-                "--cluster-yes",
-            ],
+            ["redis-cli", "--cluster", "create", *addrs]
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -170,48 +151,31 @@ class RedisCluster:
 
 @dataclass
 class ServerProcess:
-    """A `python -m cacheserver` subprocess on a free port; restartable with the same cache dir.
+    """`tierkv-server` (`python -m tierkv.cacheserver`) on a free port; restartable with the
+    same cache dir. Small tiers (cpu 64 MiB, disk 256 MiB under cache_dir) unless `args` says
+    otherwise; its output goes to cache_dir/server.log."""
 
-    Small tiers (cpu 64 MiB, disk 256 MiB under cache_dir) unless `args` says otherwise;
-    its output goes to cache_dir/server.log."""
-
-    args: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)  # more tierkv-server flags
     port: int = field(default_factory=free_port)
-    cache_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="tierkv-server-")))
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
+    cache_dir: Path = field(default_factory=lambda: _temp_dir("tierkv-server-"))
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> ServerProcess:
-        import os
-        import sys
+    @property
+    def log(self) -> Path:
+        return self.cache_dir / "server.log"
 
-        cmd = [
-            sys.executable,
-            "-m",
-            "tierkv.cacheserver",
-            "--port",
-            str(self.port),
-            "--cache-dir",
-            str(self.cache_dir),
-            "--cpu-bytes",
-            "64MiB",
-            "--disk-bytes",
-            "256MiB",
-            *self.args,
-        ]
-        env = {**os.environ, **self.env}
-        # Output goes to a file: a pipe nobody reads would block the server once full.
+    def start(self, timeout: float = 30.0) -> ServerProcess:
+        cmd = [sys.executable, "-m", "tierkv.cacheserver", "--port", str(self.port)]
+        cmd += ["--cache-dir", str(self.cache_dir), "--cpu-bytes", "64MiB"]
+        cmd += ["--disk-bytes", "256MiB", *self.args]
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                cwd=Path(__file__).resolve().parent.parent,
-                stdout=out,
-                stderr=subprocess.STDOUT,
+                cmd, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + timeout
         while "listening" not in self.log.read_text().split("tierkv-server stopped")[-1]:
@@ -222,10 +186,6 @@ class ServerProcess:
             time.sleep(0.05)
         wait_port(self.port, timeout)
         return self
-
-    @property
-    def log(self) -> Path:
-        return self.cache_dir / "server.log"
 
     def stop(self, kill: bool = False, timeout: float = 30.0) -> int:
         """SIGTERM (graceful) or SIGKILL; returns the exit code."""
@@ -241,32 +201,52 @@ class ServerProcess:
         self.start()
 
 
-@dataclass
-class TlsRedisProcess(RedisProcess):
-    """A redis-server that speaks TLS only (its plaintext port is off), with the given PEM
-    certificate and key (tests make a self-signed pair); `url` is rediss:// with the CA."""
+class ServeProcess:
+    """`tierkv-engine serve` on a free port, serving the model as "tiny"; its output in a log
+    file. Call `wait` before the first request."""
 
-    cert: Path | None = None
-    key: Path | None = None
+    def __init__(self, *args: str) -> None:
+        """args: the serve flags, the model's included (--model PATH or --random-config)."""
+        self.port = free_port()
+        self.log = _temp_dir("tierkv-serve-") / "serve.log"
+        cmd = [
+            sys.executable,
+            "-P",  # not the working directory's folders (kernels/ would shadow HF's `kernels`)
+            "-m",
+            "tierkv.engine.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "tiny",
+            *args,
+        ]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
 
     @property
     def url(self) -> str:
-        return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
+        return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> TlsRedisProcess:
-        self.extra = [
-            "--port",
-            "0",
-            "--tls-port",
-            str(self.port),
-            "--tls-cert-file",
-            str(self.cert),
-            "--tls-key-file",
-            str(self.key),
-            "--tls-ca-cert-file",
-            str(self.cert),
-            "--tls-auth-clients",
-            "no",
-        ]
-        RedisProcess.start(self)
+    def wait(self, timeout: float = 60.0) -> ServeProcess:
+        deadline = time.monotonic() + timeout
+        while "tierkv serve:" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"serve did not start:\n{self.log.read_text()}")
+            time.sleep(0.1)
+        wait_port(self.port, timeout)
         return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

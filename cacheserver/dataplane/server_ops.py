@@ -1,5 +1,5 @@
-"""The server's data plane operations on one session (protocol in cacheserver.shm): GET into
-the session's region, GET with the payloads inline (TCP), and PUT.
+"""The server's data plane operations on one session (protocol in cacheserver.dataplane.protocol):
+GET into the session's region, GET with the payloads inline (TCP), STREAM, and PUT.
 
 GET into a region copies each payload once, from the tier holding it (a cpu-tier hit is read
 straight into the region); inline, each payload is sent from the segment the store returned.
@@ -15,21 +15,21 @@ from typing import Protocol
 
 import torch
 
-from tierkv.cacheserver.conn import Conn
-from tierkv.cacheserver.data_stream import Outbound
-from tierkv.cacheserver.frames import BadRequest
-from tierkv.cacheserver.receive import Inflight
-from tierkv.cacheserver.shm import (
+from tierkv.cacheserver.dataplane.conn import Conn
+from tierkv.cacheserver.dataplane.protocol import (
     FULL,
     HEAD,
     MAX_BODY,
     MAX_KEYS,
     OK,
     REPLY,
-    RangeAllocator,
-    Region,
+    buffer,
     pack,
 )
+from tierkv.cacheserver.dataplane.region import RangeAllocator, Region
+from tierkv.cacheserver.dataplane.stream_server import Outbound
+from tierkv.cacheserver.frames import BadRequest
+from tierkv.cacheserver.receive import Inflight
 from tierkv.storage_backends.base import KEY_NBYTES, IndexedTier, MiB
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.segment import KVSegment, SegmentError
@@ -163,7 +163,7 @@ async def put(
     if not 0 < total <= max_segment_bytes:
         raise Refused(f"PUT of {total} bytes; max_segment_bytes is {max_segment_bytes}")
     # Virtual memory only: pages become resident as bytes arrive, each step under the budget.
-    buf = torch.empty(total, dtype=torch.uint8).numpy().data
+    buf = buffer(total)
     taken = 0
     try:
         while taken < total:

@@ -1,6 +1,6 @@
 """DataTier: RemoteTier whose loads and saves move over the server's data plane
-(cacheserver.shm): shared memory with a server on this host, the server's TCP data port with
-one elsewhere. Lookups and deletes stay on gRPC.
+(cacheserver.dataplane.protocol): shared memory with a server on this host, the server's TCP
+data port with one elsewhere. Lookups and deletes stay on gRPC.
 
 Safety contract: RemoteTier's, and: the session authenticates with this tier's token; a
 payload is copied out of the region (or received from the socket) and its layer checksums
@@ -21,15 +21,16 @@ from typing import Any
 
 from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.client import RemoteTier
-from tierkv.cacheserver.conn import Conn, tls_context
-from tierkv.cacheserver.data_session import (
+from tierkv.cacheserver.dataplane.client_session import (
     Elsewhere,
     Session,
     Want,
     handshake_tcp,
     handshake_unix,
 )
-from tierkv.cacheserver.shm import MAX_KEYS, Region
+from tierkv.cacheserver.dataplane.conn import Conn, tls_context
+from tierkv.cacheserver.dataplane.protocol import MAX_KEYS
+from tierkv.cacheserver.dataplane.region import Region
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.base import check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError
@@ -53,6 +54,11 @@ class DataTier(RemoteTier):
 
     def __post_init__(self) -> None:
         self._start_stats(device="shm")
+
+    @property
+    def session_open(self) -> bool:
+        """Whether a data plane session is open: loads and saves take the data plane, not gRPC."""
+        return self._session is not None
 
     async def _open(self) -> Session | None:
         r = await self._retry(

@@ -1,6 +1,6 @@
 """The server's data plane: loads and saves over shared memory, one session per Unix socket
 connection, and for other hosts over a TCP port with the payload inline (protocol and safety
-contract in cacheserver.shm, the operations in cacheserver.data_ops).
+contract in cacheserver.dataplane.protocol, the operations in cacheserver.dataplane.server_ops).
 
 Sessions are bounded (`max_sessions`), each region is `shm_region_bytes`, and a session's
 region is unmapped and closed when its socket closes. PUTs take memory from the server's one
@@ -20,13 +20,10 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierkv.cacheserver import data_ops as ops
 from tierkv.cacheserver.auth import Auth
-from tierkv.cacheserver.conn import Conn
-from tierkv.cacheserver.data_ops import Busy, Refused, Session, recv_request
-from tierkv.cacheserver.receive import Inflight
-from tierkv.cacheserver.shm import (
-    ALIGN,
+from tierkv.cacheserver.dataplane import server_ops as ops
+from tierkv.cacheserver.dataplane.conn import Conn
+from tierkv.cacheserver.dataplane.protocol import (
     BAD_REQUEST,
     BUSY,
     GET,
@@ -36,10 +33,11 @@ from tierkv.cacheserver.shm import (
     RELEASE,
     STREAM,
     UNAUTHENTICATED,
-    RangeAllocator,
-    Region,
     pack,
 )
+from tierkv.cacheserver.dataplane.region import ALIGN, RangeAllocator, Region
+from tierkv.cacheserver.dataplane.server_ops import Busy, Refused, Session, recv_request
+from tierkv.cacheserver.receive import Inflight
 from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.dataplane")
