@@ -18,7 +18,7 @@ from tierkv.engine.models import MODELS, pull
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
 from tierkv.storage_backends.base import parse_size as size
-from tierkv.storage_backends.knobs import knob_help
+from tierkv.storage_backends.knobs import knob_default, knob_help
 
 
 def engine_options() -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def engine_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=ec.max_num_batched_tokens,
+        default=knob_default(ec, "max_num_batched_tokens"),
         help=knob_help(ec, "max_num_batched_tokens"),
     )
     g.add_argument(
@@ -82,7 +82,10 @@ def engine_options() -> argparse.ArgumentParser:
     c.add_argument("--cpu-cache", default="1GiB", help=knob_help(cc, "cpu_bytes"))
     c.add_argument("--disk-cache", default=None, help=knob_help(cc, "disk_dir"))
     c.add_argument(
-        "--chunk-size", type=int, default=cc.chunk_size, help=knob_help(cc, "chunk_size")
+        "--chunk-size",
+        type=int,
+        default=knob_default(cc, "chunk_size"),
+        help=knob_help(cc, "chunk_size"),
     )
     return g
 

@@ -33,7 +33,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for node in body.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        above = []
+        above: list[str] = []
         n = node.lineno - 1
         while n >= 1 and lines[n - 1].strip().startswith("#"):
             above.insert(0, comments[n])
@@ -55,6 +55,11 @@ def default_of(f: Field[Any]) -> Any:
     return MISSING
 
 
+def knob_default(cls: type, name: str) -> Any:
+    """The default of config `cls`'s knob `name` (a slots dataclass has no class attribute)."""
+    return default_of({f.name: f for f in fields(cls)}[name])
+
+
 def knob_help(cls: type, name: str, shown: Any = MISSING) -> str:
     """argparse help for the knob `name` of config `cls`: its documentation and its default
     (`shown`, else the field's; sizes read as `1GiB`). '%' is escaped for argparse."""
@@ -62,7 +67,7 @@ def knob_help(cls: type, name: str, shown: Any = MISSING) -> str:
     if doc is None:
         raise KeyError(f"{cls.__name__}.{name} has no documentation comment")
     if shown is MISSING:
-        shown = default_of({f.name: f for f in fields(cls)}[name])
+        shown = knob_default(cls, name)
     return f"{doc} (default: {format_default(name, shown)})".replace("%", "%%")
 
 
