@@ -12,8 +12,9 @@ from typing import Any
 
 from tierkv.engine.blend import PromptPart
 from tierkv.engine.config import RANDOM_CONFIGS
-from tierkv.engine.llm import LLM, RequestOutput
+from tierkv.engine.llm import LLM
 from tierkv.engine.models import MODELS, pull
+from tierkv.engine.outputs import RequestOutput
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
 
