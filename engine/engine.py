@@ -211,7 +211,7 @@ class Engine:
             st.kv_slots + used,
             st.kv_slots_empty + empty,
         )
-        updated = {s.group: self.requests[s.group] for s in seqs + done if s.group in self.requests}
+        updated = {s.group: self.requests[s.group] for s in seqs}
         for req in updated.values():
             if req.finished:
                 del self.requests[req.request_id]
