@@ -56,25 +56,17 @@ class Recorder:
     """Keeps the logits of every step (observes, changes nothing)."""
 
     def __init__(self, llm: LLM) -> None:
+        self.llm = llm
         self.seen: list[torch.Tensor] = []
-        inner = llm.runner.run
+        llm.logits_hooks.append(lambda logits: self.seen.append(logits[-1].clone()))
 
-        def run(out):
-            logits = inner(out)
-            self.seen.append(logits[-1].clone())
-            return logits
-
-        llm.runner.run = run
-
-
-def generate(llm: LLM, prompt, params: SamplingParams):
-    """The output and the logits its first token was sampled from: generate() may run steps
-    before the prompt's own (the ingest of segments the store lacks); one token per step after."""
-    rec = Recorder(llm) if not hasattr(llm, "_rec") else llm._rec
-    llm._rec = rec
-    rec.seen = []
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return out, rec.seen[-len(out.token_ids)]
+    def generate(self, prompt, params: SamplingParams):
+        """The output and the logits its first token was sampled from: generate() may run
+        steps before the prompt's own (the ingest of segments the store lacks); one token per
+        step after."""
+        self.seen = []
+        out = self.llm.generate([prompt], params, use_tqdm=False)[0]
+        return out, self.seen[-len(out.token_ids)]
 
 
 def ttft_rows(
@@ -133,6 +125,7 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
     g = torch.Generator().manual_seed(11)
     conn = TierKVConnector(ConnectorConfig(cpu_bytes="2GiB"))
     full, blend = make(model), make(model, conn)
+    full_rec, blend_rec = Recorder(full), Recorder(blend)
     rows = []
     for nd in ndocs_list:
         docs = [
@@ -140,7 +133,7 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
         ]
         question = torch.randint(0, model["vocab_size"], (32,), generator=g).tolist()
         greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        ref, ref_logits = generate(full, sum(docs, []) + question, greedy)
+        ref, ref_logits = full_rec.generate(sum(docs, []) + question, greedy)
         ref_lp = ref_logits.float().log_softmax(-1)
         # "doc 0": the same prompt with its first document declared the shared prefix (a system
         # prompt): reused exactly, the other documents' KV computed after it instead of standalone.
@@ -155,7 +148,7 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
                     + [PromptPart(d) for d in docs[1:]]
                     + [PromptPart(question, reusable=False)]
                 )
-                out, logits = generate(blend, prompt, p)
+                out, logits = blend_rec.generate(prompt, p)
                 kl = float(
                     torch.nn.functional.kl_div(
                         logits.float().log_softmax(-1), ref_lp, log_target=True, reduction="sum"

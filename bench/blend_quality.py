@@ -73,14 +73,7 @@ class FirstLogits:
 
     def __init__(self, llm: LLM) -> None:
         self.seen: list[torch.Tensor] = []
-        inner = llm.runner.run
-
-        def run(out: Any) -> torch.Tensor:
-            logits = inner(out)
-            self.seen.append(logits[-1].float().clone())
-            return logits
-
-        llm.runner.run = run  # type: ignore[method-assign]
+        llm.logits_hooks.append(lambda logits: self.seen.append(logits[-1].float().clone()))
 
     def run(self, llm: LLM, prompt: Any, params: SamplingParams) -> tuple[Any, torch.Tensor]:
         self.seen = []

@@ -25,7 +25,8 @@ from tierkv.connector.plan import ConnectorStats, LoadPlan, RequestState, StepMe
 from tierkv.connector.requests import model_fingerprint, record_lookup, request_state
 from tierkv.connector.transfer import EngineKV, Layout
 from tierkv.connector.worker import WorkerCore
-from tierkv.engine.kv_connector import KVConnector
+from tierkv.engine.blend_step import blending
+from tierkv.engine.kv_connector import ConnectorRequest, ConnectorStep, KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding
 from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.keys import ChunkHasher, Salt
@@ -36,6 +37,8 @@ log = logging.getLogger("tierkv.connector")
 
 
 class TierKVConnector(KVConnector):
+    supports_segments = True
+
     def __init__(
         self, config: ConnectorConfig | None = None, tiers: list[Tier] | None = None
     ) -> None:
@@ -118,12 +121,11 @@ class TierKVConnector(KVConnector):
         return self._hasher
 
     # -- scheduler side --------------------------------------------------------------------
-    def _state(self, request: Any) -> RequestState:
+    def _state(self, request: ConnectorRequest) -> RequestState:
         st = self.states.get(request.request_id)
         if st is None:
-            salt = getattr(getattr(request, "params", None), "cache_salt", None)
             st = self.states[request.request_id] = request_state(
-                request, self.hasher.salted(salt), self.config.save_partial_chunks
+                request, self.hasher.salted(request.cache_salt), self.config.save_partial_chunks
             )
         return st
 
@@ -144,8 +146,10 @@ class TierKVConnector(KVConnector):
             log.warning("connector segment lookup failed (%r): miss", e)
             return [False] * len(keys)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        st, blend = self._state(request), getattr(request, "blend", None) is not None
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> int:
+        st, blend = self._state(request), blending(request)
         if (
             not st.chunks
             or not (st.prefix_chunks or blend)
@@ -171,18 +175,18 @@ class TierKVConnector(KVConnector):
         self.stats.lookup_hit_tokens += new
         return new
 
-    def get_num_prefix_tokens(self, request: Any) -> int:
+    def get_num_prefix_tokens(self, request: ConnectorRequest) -> int:
         st = self.states.get(request.request_id)
         return 0 if st is None else st.exact[1] - st.exact[0]
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         if num_external_tokens <= 0:
             return
         st = self._state(request)
         blocks = torch.tensor(block_ids, dtype=torch.int32)
-        blend = getattr(request, "blend", None) is not None
+        blend = blending(request)
         start, end = (
             st.exact
             if blend
@@ -218,15 +222,15 @@ class TierKVConnector(KVConnector):
                     )
                 )
 
-    def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
+    def build_connector_meta(self, scheduler_output: ConnectorStep) -> StepMeta:
         meta = StepMeta(self.pending_loads, [])
         self.pending_loads = []
         if not self.config.save or not self.caches:
             return meta
         for seq, n in zip(scheduler_output.seqs, scheduler_output.num_new_tokens):
             start = seq.num_computed_tokens
-            if start >= seq.num_prompt_tokens or (seq.segments is not None and not seq.ingest):
-                continue  # decoding, or a segment prompt (its KV may be blended): never stored
+            if start >= seq.num_prompt_tokens or (seq.blend is not None and not seq.blend.ingest):
+                continue  # decoding, or a prompt in parts (its KV may be blended): never stored
             st = self._state(seq)
             stop, block_ids = start + n, None
             while st.saved_upto < len(st.chunks) and st.chunks[st.saved_upto].end <= stop:
@@ -242,7 +246,7 @@ class TierKVConnector(KVConnector):
                     meta.saves.append(plan)
         return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
         st = self.states.pop(request.request_id, None)
         if st is not None:
             self.finished[request.request_id] = {

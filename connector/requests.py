@@ -10,6 +10,7 @@ import torch
 import xxhash
 
 from tierkv.connector.plan import Chunk, RequestState
+from tierkv.engine.kv_connector import ConnectorRequest
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.segment import dtype_name
 
@@ -41,22 +42,20 @@ def model_fingerprint(model: torch.nn.Module, cfg: Any, dtype: torch.dtype) -> s
     return f"llama:{dtype_name(dtype) or str(dtype)}:{h.hexdigest()}"
 
 
-def request_state(request: Any, hasher: ChunkHasher, partial: bool) -> RequestState:
-    """The chunks of a request's prompt: chained prefix chunks for a plain prompt; for a blend
-    prompt, those of its declared shared prefix P (if any, the last one partial) then one
-    position-free chunk per reusable segment, keyed and parented under P's key; the same for
-    an ingest request (P, then the one segment to store)."""
+def request_state(request: ConnectorRequest, hasher: ChunkHasher, partial: bool) -> RequestState:
+    """The chunks of a request's prompt: chained prefix chunks for a plain prompt; for a prompt
+    in parts, those of its declared shared prefix P (if any, the last one partial) then one
+    position-free chunk per reusable segment, keyed and parented under P's key (an ingest
+    request has one, the segment to store)."""
     tokens = np.asarray(request.token_ids[: request.num_prompt_tokens], dtype=np.int32)
-    blend, ingest = getattr(request, "blend", None) is not None, getattr(request, "ingest", False)
-    if not (blend or ingest):
+    parts = request.blend
+    if parts is None:
         chunks = prefix_chunks(hasher, tokens, partial)
         return RequestState(chunks, tokens, prefix_chunks=len(chunks))
-    p = getattr(request, "prefix_len", 0)
+    p = parts.prefix_len
     pre = prefix_chunks(hasher, tokens[:p], True) if p else []
     after = pre[-1].key if pre else None
-    spans = (
-        [(a, b) for a, b, reusable in request.segments if reusable] if blend else [(p, len(tokens))]
-    )
+    spans = [(a, b) for a, b, reusable in parts.segments if reusable]
     segs = [
         Chunk(len(pre) + i, hasher.segment_key(tokens[a:b], after), after or bytes(16), a, b)
         for i, (a, b) in enumerate(spans)

@@ -13,8 +13,9 @@ from typing import Any
 from tierkv.connector.config import ConnectorConfig
 from tierkv.engine.blend import PromptPart
 from tierkv.engine.config import RANDOM_CONFIGS, EngineConfig
-from tierkv.engine.llm import LLM, RequestOutput
+from tierkv.engine.llm import LLM
 from tierkv.engine.models import MODELS, pull
+from tierkv.engine.outputs import RequestOutput
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
 from tierkv.storage_backends.base import parse_size as size

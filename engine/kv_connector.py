@@ -18,6 +18,9 @@ wait_for_layer_load(i) before layer i's attention reads the cache, save_kv_layer
 after layer i wrote its new KV; wait_for_save() after the forward; then get_finished() and
 get_block_ids_with_load_errors() (those blocks' tokens are recomputed).
 
+What a connector may read of a request is ConnectorRequest, of a step's schedule
+ConnectorStep; it never changes either.
+
 Validity: block ids are valid only while the sequence holds them (until request_finished
 returns False, or until get_finished reports it). kv_layer and attn_metadata passed to
 save_kv_layer are valid only during that call. The engine never calls hooks concurrently.
@@ -26,30 +29,68 @@ save_kv_layer are valid only during that call. The engine never calls hooks conc
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+if TYPE_CHECKING:
+    from tierkv.engine.blend_step import BlendState
+
+
+class ConnectorRequest(Protocol):
+    """A request as its connector sees it (the engine passes its sequences)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def token_ids(self) -> list[int]: ...  # the prompt, then the output so far
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...  # tokens whose KV is in its blocks
+    @property
+    def block_table(self) -> list[int]: ...
+    @property
+    def cache_salt(self) -> str | None: ...  # KV is shared only under the same salt
+    @property
+    def blend(self) -> BlendState | None: ...  # a prompt in parts (segments, ingest)
+
+
+class ConnectorStep(Protocol):
+    """A step's schedule as the connector sees it: each sequence and its new tokens."""
+
+    @property
+    def seqs(self) -> Sequence[ConnectorRequest]: ...
+    @property
+    def num_new_tokens(self) -> list[int]: ...
+
 
 class KVConnector(ABC):
+    # Any-position reuse (CacheBlend): a connector that stores segments sets this and
+    # implements lookup_segments, get_num_prefix_tokens and get_loaded_ranges.
+    supports_segments: bool = False
+
     # scheduler side
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> int:
         """Tokens of request.token_ids after num_computed_tokens that can be loaded (0 = none)."""
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """Blocks now allocated for request; the first num_external_tokens after its local hit
         are to load."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: Any) -> object:
+    def build_connector_meta(self, scheduler_output: ConnectorStep) -> object:
         """Per-step metadata for the worker side (what to load and save this step)."""
 
     @abstractmethod
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
         """True: keep block_ids until get_finished() reports request.request_id saved."""
 
     # worker side
@@ -93,18 +134,18 @@ class KVConnector(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed this step; the engine recomputes from the first of them."""
 
-    # any-position reuse (CacheBlend); the defaults mean "not supported"
+    # any-position reuse (CacheBlend), with supports_segments
     def lookup_segments(
         self,
         segments: list[list[int]],
         prefix: list[int] | None = None,
         cache_salt: str | None = None,
-    ) -> list[bool] | None:
+    ) -> list[bool]:
         """Whether the store holds each segment's KV, computed standalone or right after the
-        declared shared prefix, under cache_salt's keys; None: no segment support."""
-        return None
+        declared shared prefix, under cache_salt's keys."""
+        raise NotImplementedError(f"{type(self).__name__} does not store segments")
 
-    def get_num_prefix_tokens(self, request: Any) -> int:
+    def get_num_prefix_tokens(self, request: ConnectorRequest) -> int:
         """Of the tokens get_num_new_matched_tokens just counted for a blend request, how many
         are its declared shared prefix, loaded exactly right after its local hit (the engine
         counts them as computed; the rest are segments to blend)."""
@@ -129,18 +170,20 @@ class KVConnector(ABC):
 class NoOpConnector(KVConnector):
     """The default: loads nothing, saves nothing."""
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> int:
         return 0
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         pass
 
-    def build_connector_meta(self, scheduler_output: Any) -> object:
+    def build_connector_meta(self, scheduler_output: ConnectorStep) -> object:
         return None
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
         return False
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

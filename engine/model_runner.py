@@ -11,7 +11,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from tierkv.engine.blend import BlendReport, blend_forward
+from tierkv.engine.blend_step import blend_prefill
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.context import Context, build_context
 from tierkv.engine.kv_connector import KVConnector
@@ -184,21 +184,7 @@ class ModelRunner:
         ctx = self.prepare(out)
         self.connector.start_load_kv(out.connector_meta)
         if out.blend is not None:
-            self.connector.wait_for_layer_load(
-                0
-            )  # fetched and verified: the loaded ranges are known
-            report = BlendReport()
-            seq = out.blend
-            assert seq.blend is not None  # only a sequence with blend params is out.blend
-            h = blend_forward(
-                self,
-                ctx,
-                seq.blend,
-                self.connector.get_loaded_ranges(seq.request_id),
-                seq.num_computed_tokens,
-                report,
-            )
-            seq.metrics.blend = report.as_dict()
+            h = blend_prefill(self, ctx, out.blend)
         else:
             h = self.model(ctx.input_ids, ctx.positions, self.attend)
         self.calibrated = True

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tierkv.engine.blend_step import admit, blending, unblend
 from tierkv.engine.block_manager import BlockManager, tree_key
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.invariants import check_invariants_enabled, invariant
@@ -77,44 +78,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _schedule_blend(self) -> SchedulerOutput | None:
-        """A blend prefill runs alone, its whole prompt after its exact prefix in one step, over
-        the per-step token budget if need be (it is one selective prefill: the check layer ranks
-        every loaded token at once); the running sequences wait that one step. The declared
-        shared prefix comes from the prefix cache, then the connector, exactly. None when its
-        blocks do not fit yet."""
-        seq = self.waiting[0]
-        hit = self.blocks.match_prefix(seq, seq.prefix_len) if seq.prefix_len else 0
-        copies = self.blocks.allocate(seq, len(seq))
-        if copies is None:
-            self.blocks.free_seq(seq)
-            return None
-        self.waiting.popleft()
-        ext = max(0, int(self.connector.get_num_new_matched_tokens(seq, hit)))
-        exact = self.connector.get_num_prefix_tokens(seq) if ext else 0
-        self.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
-        seq.num_computed_tokens = hit + exact
-        if not seq.admitted:
-            seq.admitted, seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = (
-                True,
-                hit,
-                ext,
-            )
-        seq.exact_kv = seq.exact_kv and ext == exact  # segments loaded: the KV will be blended
-        seq.status = Status.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-        out = SchedulerOutput([seq], [len(seq) - seq.num_computed_tokens], copies, blend=seq)
-        out.connector_meta = self.connector.build_connector_meta(out)
-        return out
-
     def schedule(self) -> SchedulerOutput:
-        if (
-            self.waiting
-            and self.waiting[0].blend is not None
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            out = self._schedule_blend()
-            if out is not None:
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and blending(head) and len(self.running) < self.config.max_num_seqs:
+            admitted = admit(head, self.blocks, self.connector)
+            if admitted is not None:  # a blend prefill runs alone, its whole prompt at once
+                cow, hit, ext = admitted
+                self.waiting.popleft()
+                self._start(head, hit, ext)
+                n = len(head) - head.num_computed_tokens
+                out = SchedulerOutput([head], [n], cow, blend=head)
+                out.connector_meta = self.connector.build_connector_meta(out)
                 return out
         out, budget, i = SchedulerOutput(), self.config.max_num_batched_tokens, 0
         while i < len(self.running) and budget > 0:
@@ -141,8 +115,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            if seq.blend is not None:
-                break  # admitted alone, by _schedule_blend
+            if blending(seq):
+                break  # admitted alone, above
             if self._computed_this_step(seq, out):
                 break  # next step it hits that block in the prefix cache
             hit = self.blocks.match_prefix(seq)
@@ -160,17 +134,21 @@ class Scheduler:
             self.waiting.popleft()
             self.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
             seq.num_computed_tokens += ext
-            if not seq.admitted:
-                seq.admitted = True
-                seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = hit, ext
-            seq.status = Status.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            self._start(seq, hit, ext)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             out.copies += copies
             budget -= n
         out.connector_meta = self.connector.build_connector_meta(out)
         return out
+
+    def _start(self, seq: Sequence, hit: int, ext: int) -> None:
+        """seq runs from this step on; its first admission sets what it found cached."""
+        if not seq.admitted:
+            seq.admitted = True
+            seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = hit, ext
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.seq_id)
 
     def _computed_this_step(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """True when a sequence already in this step completes a block of its prefix that seq
@@ -207,13 +185,8 @@ class Scheduler:
             seq.num_computed_tokens += n
             seq.metrics.num_computed_tokens += n
             bad = next((j for j, b in enumerate(seq.block_table) if b in failed_blocks), None)
-            if (
-                bad is not None and seq is out.blend
-            ):  # blended KV is all or nothing: prefill plainly
-                start = min(
-                    bad * bs, seq.num_computed_tokens - n
-                )  # the step's start, or a failed prefix load
-                seq.num_computed_tokens, seq.blend, seq.metrics.num_external_tokens = start, None, 0
+            if bad is not None and seq is out.blend:
+                unblend(seq, bad * bs, n)
                 continue
             if bad is not None and bad * bs < seq.num_computed_tokens:
                 m = seq.metrics

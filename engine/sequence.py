@@ -7,7 +7,7 @@ from enum import Enum, auto
 
 import torch
 
-from tierkv.engine.blend import BlendParams
+from tierkv.engine.blend_step import BlendState
 from tierkv.engine.radix import Node
 from tierkv.engine.sampling_params import SamplingParams
 
@@ -30,7 +30,6 @@ class SeqMetrics:
     connector: dict = field(
         default_factory=dict
     )  # what the connector reports (tokens per tier, ...)
-    blend: dict = field(default_factory=dict)  # what a blend prefill did (BlendReport.as_dict())
 
 
 @dataclass(slots=True, eq=False)
@@ -40,7 +39,7 @@ class Sequence:
 
     seq_id: int  # arrival order; newer sequences have larger ids
     request_id: str  # unique per sequence ("7", or "7/1" for the second of n samples)
-    group_id: int  # index of the prompt in the generate() call
+    group: str  # the request id of the request it is a sample of
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
@@ -54,14 +53,7 @@ class Sequence:
     sample_index: int = 0  # which of the request's n samples
     admitted: bool = False
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
-    # Any-position reuse: (start, end, reusable) of each prompt segment; blend set while the
-    # prompt awaits its blend prefill; ingest = a segment whose KV is to be stored (computed
-    # after the first prefix_len tokens, the declared shared prefix, when there are any).
-    segments: list[tuple[int, int, bool]] | None = None
-    prefix_len: int = 0
-    blend: BlendParams | None = None
-    ingest: bool = False
-    exact_kv: bool = True  # False once blended KV is in its blocks: never indexed, never stored
+    blend: BlendState | None = None  # a prompt in parts (any-position reuse); None: plain
     # With params.logprobs: per output token, (its logprob, [(token, logprob)] of the top ones).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
@@ -79,3 +71,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def exact_kv(self) -> bool:
+        """Whether its blocks hold exactly the KV of its tokens (not blended): only then are
+        they indexed in the prefix cache or stored."""
+        return self.blend is None or self.blend.exact_kv
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt

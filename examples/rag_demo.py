@@ -128,7 +128,7 @@ def process_b(target: str) -> None:
     llm, conn = engine(target)
     assert conn is not None and llm.tokenizer is not None
     corpus = Corpus(llm.tokenizer)
-    found = conn.lookup_segments(corpus.docs, corpus.system) or []
+    found = conn.lookup_segments(corpus.docs, corpus.system)
     say(f"process B: {sum(found)}/{len(corpus.docs)} documents' KV found on the server")
     rows = []
     for q, question in enumerate(QUESTIONS, 1):

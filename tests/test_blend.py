@@ -57,14 +57,7 @@ class Logits:
 
     def __init__(self, llm: LLM) -> None:
         self.seen: list[torch.Tensor] = []
-        inner = llm.runner.run
-
-        def run(out):
-            logits = inner(out)
-            self.seen.append(logits.clone())
-            return logits
-
-        llm.runner.run = run
+        llm.logits_hooks.append(lambda logits: self.seen.append(logits.clone()))
 
 
 def engine(path, conn=None) -> LLM:

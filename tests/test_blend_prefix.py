@@ -37,10 +37,10 @@ def kl(got: torch.Tensor, ref: torch.Tensor) -> float:
 def run_alone(llm: LLM, prompt, params: SamplingParams):
     """Generate without generate()'s ingest of missing segments: what a lookup finds is all it
     gets."""
-    seq = llm.add_request(llm._next_id, prompt, params)
-    while llm.scheduler.has_work():
+    req = llm.add_request(None, prompt, params)
+    while llm.has_unfinished():
         llm.step()
-    return llm._output(seq.group_id)
+    return llm.output(req)
 
 
 def test_declared_prefix_ratio_one_is_full_prefill(ckpt, conn) -> None:

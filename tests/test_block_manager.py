@@ -13,7 +13,7 @@ BS = 4
 
 
 def seq(i: int, tokens: list[int]) -> Sequence:
-    return Sequence(i, str(i), i, list(tokens), len(tokens), SamplingParams())
+    return Sequence(i, str(i), str(i), list(tokens), len(tokens), SamplingParams())
 
 
 def test_prefix_reuse_refcounts_and_last_token_recomputed():

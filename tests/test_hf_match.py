@@ -68,7 +68,7 @@ def hf_tokens(ckpt, prompts):
 
 def all_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one prefill step of the engine."""
-    seq = Sequence(0, "x", 0, list(prompt), len(prompt), GREEDY)
+    seq = Sequence(0, "x", "x", list(prompt), len(prompt), GREEDY)
     llm.blocks.allocate(seq, len(prompt))
     out = SchedulerOutput([seq], [len(prompt)])
     h = llm.runner.forward(out)

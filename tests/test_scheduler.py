@@ -35,7 +35,7 @@ def add(s: Scheduler, i: int, n: int, out: int = 4, base: int = 0) -> Sequence:
     seq = Sequence(
         i,
         str(i),
-        i,
+        str(i),
         [base + i * 1000 + t for t in range(n)],
         n,
         SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
@@ -138,7 +138,7 @@ def test_a_block_computed_this_step_is_not_computed_twice():
             seq = Sequence(
                 i,
                 str(i),
-                i,
+                str(i),
                 shared + [i, i + 1],
                 3 * BS + 2,
                 SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),

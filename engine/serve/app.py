@@ -75,7 +75,7 @@ class Server:
             "object": "model",
             "created": 0,
             "owned_by": "tierkv",
-            "max_model_len": self.llm.scheduler.max_model_len,
+            "max_model_len": self.llm.max_model_len,
         }
         return web.json_response({"object": "list", "data": [card]})
 

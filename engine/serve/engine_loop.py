@@ -1,7 +1,7 @@
-"""EngineLoop: one engine thread steps the LLM for every HTTP request at once (continuous
+"""EngineLoop: one engine thread steps the Engine for every HTTP request at once (continuous
 batching); the asyncio side submits jobs and reads each one's tokens from its own queue.
 
-Only the engine thread touches the LLM: submit, stop and abort go through an inbox, and each
+Only the engine thread touches the Engine: submit, stop and abort go through an inbox, and each
 step's new tokens go back to the event loop with call_soon_threadsafe.
 """
 
@@ -14,8 +14,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.engine.blend import PromptPart, join_parts
-from tierkv.engine.llm import LLM, Prompt
+from tierkv.engine.engine import NoFit, Prompt
+from tierkv.engine.llm import LLM, is_parts
+from tierkv.engine.outputs import Request
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.sequence import Sequence
 from tierkv.engine.serve.metrics import ServeMetrics
@@ -47,7 +48,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[list[Update]]  # shared by the jobs of one HTTP request
     base: int = 0  # the choice index of this job's first sample (prompt index * n)
-    group: int = -1  # the engine's group id, set when the engine thread adds it
+    request: Request | None = None  # set when the engine thread adds it
     sent: list[int] = field(default_factory=list)  # output tokens already sent, per sample
     done: list[bool] = field(default_factory=list)  # samples finished or stopped
     prompt_tokens: int = 0
@@ -60,7 +61,7 @@ class EngineLoop:
         self.metrics = metrics
         self.idle_wait_s = idle_wait_s
         self.inbox: queue.SimpleQueue[tuple[str, Job, int]] = queue.SimpleQueue()
-        self.jobs: dict[int, Job] = {}
+        self.jobs: dict[str, Job] = {}  # by request id
         self.inflight = 0  # submitted and not yet finished or aborted (guarded by lock)
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -101,15 +102,15 @@ class EngineLoop:
         while not self.stopping:
             if self._drain_inbox():
                 self._publish()  # a stopped sample finished without a step
-            if not self.llm.scheduler.has_work():
+            if not self.llm.has_unfinished():
                 self._snapshot()
                 self.wake.wait(self.idle_wait_s)
                 self.wake.clear()
                 continue
             try:
                 self.llm.step()
-            except RuntimeError as e:  # the head request cannot fit the KV cache at all
-                self._fail_head(str(e))
+            except NoFit as e:  # the head request cannot fit the KV cache at all
+                self._fail_head(e)
             except Exception:
                 log.exception("engine step failed")
                 self._fail_all("internal engine error")
@@ -127,41 +128,39 @@ class EngineLoop:
             got = True
             if what == "add":
                 self._add(job)
-            elif what == "abort" and job.group in self.jobs:
-                self.llm.abort(job.group)
+            elif what == "abort" and self._added(job):
+                self._abort(job)
                 self._forget(job)
                 self.metrics.aborted.inc()
-            elif what == "stop" and job.group in self.jobs:
+            elif what == "stop" and self._added(job):
                 # the next _publish reports it finished, with its usage
-                self.llm.abort(job.group, index)
+                self._abort(job, index)
 
     def _add(self, job: Job) -> None:
         llm = self.llm
         try:
             prompt = job.prompt
-            if _is_parts(prompt) and llm.connector.lookup_segments([]) is not None:
+            if is_parts(prompt) and llm.supports_segments:
                 # The documents' KV must be stored before the blend can load it. ingest steps
                 # the engine until idle: other requests advance meanwhile, streamed after.
-                toks, spans, n = join_parts(prompt, llm._encode)  # type: ignore[arg-type]
-                segs = [toks[a:b] for a, b, reusable in spans if reusable]
+                prefix, segs = llm.segments(prompt)  # type: ignore[arg-type]
                 if segs:
-                    llm.ingest(segs, toks[:n], job.params.cache_salt)
+                    llm.ingest(segs, prefix, job.params.cache_salt)
                     self._publish()
-            job.group = llm._next_id  # the first sequence's id: unique for the engine's life
-            seq = llm.add_request(job.group, prompt, job.params)
+            req = llm.add_request(None, prompt, job.params)
         except (ValueError, RuntimeError) as e:  # a bad prompt, or documents that cannot fit
             self._reply(job, [Update(job.base, [], [], "error", error=str(e))])
             self._release()
             return
-        job.prompt_tokens = seq.num_prompt_tokens
-        self.jobs[job.group] = job
+        job.request, job.prompt_tokens = req, len(req.prompt_token_ids)
+        self.jobs[req.request_id] = job
         self.metrics.requests.inc()
 
     def _publish(self) -> None:
         """Send each job the tokens its samples produced since the last call."""
         for job in list(self.jobs.values()):
-            seqs = self.llm._groups.get(job.group, [])
-            updates = []
+            assert job.request is not None  # jobs holds added jobs only
+            seqs, updates = job.request.seqs, []
             for s in seqs:
                 i = s.sample_index
                 new = s.output_ids[job.sent[i] :]
@@ -178,7 +177,7 @@ class EngineLoop:
                 updates.append(up)
             if updates:
                 self._reply(job, updates)
-            if len(seqs) == job.params.n and all(s.is_finished for s in seqs):
+            if job.request.finished:
                 for s in seqs:
                     self.metrics.observe_finished(s)
                 self._forget(job)
@@ -194,9 +193,15 @@ class EngineLoop:
             "loaded_tokens": loaded,
         }
 
+    def _added(self, job: Job) -> bool:
+        return job.request is not None and job.request.request_id in self.jobs
+
+    def _abort(self, job: Job, sample: int | None = None) -> None:
+        if job.request is not None:
+            self.llm.abort(job.request.request_id, sample)
+
     def _forget(self, job: Job) -> None:
-        self.llm._groups.pop(job.group, None)
-        if self.jobs.pop(job.group, None) is not None:
+        if job.request is not None and self.jobs.pop(job.request.request_id, None) is not None:
             self._release()
 
     def _release(self) -> None:
@@ -206,33 +211,28 @@ class EngineLoop:
     def _reply(self, job: Job, updates: list[Update]) -> None:
         job.loop.call_soon_threadsafe(job.queue.put_nowait, updates)
 
-    def _fail_head(self, message: str) -> None:
-        waiting = self.llm.scheduler.waiting
-        head = waiting[0] if waiting else None
-        job = self.jobs.get(head.group_id) if head is not None else None
+    def _fail_head(self, e: NoFit) -> None:
+        job = self.jobs.get(e.request_id) if e.request_id is not None else None
         if job is None:
-            self._fail_all(message)
+            self._fail_all(str(e))
             return
-        self.llm.abort(job.group)
-        self._forget(job)
-        self._reply(job, [Update(job.base, [], [], "error", error=message)])
+        self._fail(job, str(e))
 
     def _fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
-            self.llm.abort(job.group)
-            self._forget(job)
-            self._reply(job, [Update(job.base, [], [], "error", error=message)])
+            self._fail(job, message)
+
+    def _fail(self, job: Job, message: str) -> None:
+        self._abort(job)
+        self._forget(job)
+        self._reply(job, [Update(job.base, [], [], "error", error=message)])
 
     def _snapshot(self) -> None:
         """Queue and cache gauges, read here on the engine thread (the scheduler's structures
         are not safe to walk from the scrape's thread) and swapped in whole."""
-        sch, blocks = self.llm.scheduler, self.llm.blocks
+        llm, blocks = self.llm, self.llm.blocks
         self.metrics.state = {
-            "waiting": float(len(sch.waiting)),
-            "running": float(len(sch.running)),
+            "waiting": float(llm.num_waiting),
+            "running": float(llm.num_running),
             "kv_usage": 1.0 - blocks.num_available() / blocks.num_blocks,
         }
-
-
-def _is_parts(prompt: Prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], PromptPart)

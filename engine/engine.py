@@ -1,0 +1,270 @@
+"""Engine: the step API. add_request, then step() while has_unfinished(): each step schedules,
+runs the model, samples and advances the requests. LLM (offline batches) and the HTTP server
+are built on it; nothing outside the engine reaches into its scheduler or runner."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from tierkv.engine.blend import BlendParams, PromptPart, join_parts
+from tierkv.engine.blend_step import BlendState
+from tierkv.engine.block_manager import BlockManager
+from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.kv_connector import KVConnector, NoOpConnector
+from tierkv.engine.loader import load_model
+from tierkv.engine.model_runner import ModelRunner
+from tierkv.engine.outputs import EngineStats, Request, RequestOutput, token_logprobs
+from tierkv.engine.sampler import sample
+from tierkv.engine.sampling_params import SamplingParams
+from tierkv.engine.scheduler import Scheduler
+from tierkv.engine.sequence import Sequence
+
+# One prompt: text, token ids, or PromptParts (a CacheBlend prompt in parts).
+Prompt = str | list[int] | list[PromptPart]
+
+
+# Called with each step's logits [sampling sequences, vocab] before sampling; observes only.
+LogitsHook = Callable[[torch.Tensor], None]
+
+
+class NoFit(RuntimeError):
+    """Nothing could be scheduled: request_id, the head of the queue, needs more KV blocks than
+    the cache holds."""
+
+    def __init__(self, request_id: str | None) -> None:
+        super().__init__(
+            "nothing fits: a single sequence needs more KV blocks than the cache holds"
+        )
+        self.request_id = request_id
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | Path | dict[str, Any] | ModelConfig,
+        dtype: str = "auto",
+        kv_cache_bytes: int = 1 << 30,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        kv_connector: KVConnector | None = None,
+        kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 256,
+        max_model_len: int = 0,
+        seed: int = 0,
+        device: str = "cpu",
+        blend_ratio: float = 0.15,
+        blend_check_layer: int = 1,
+        blend_metric: str = "k",
+        blend_gradual: int = 0,
+        matmul_dtype: str = "auto",
+    ) -> None:
+        self.config = EngineConfig(
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+            seed=seed,
+            blend_ratio=blend_ratio,
+            blend_check_layer=blend_check_layer,
+            blend_metric=blend_metric,
+            blend_gradual=blend_gradual,
+            matmul_dtype=matmul_dtype,
+        )
+        # checks the global knobs now
+        BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
+        net, self.model_config, self.dtype, self.tokenizer = load_model(
+            model, self.config.dtype, seed
+        )
+        self.device = torch.device(device)
+        self.connector = kv_connector or NoOpConnector()
+        self.runner = ModelRunner(
+            net.to(self.device),
+            self.model_config,
+            self.config,
+            self.dtype,
+            self.connector,
+            self.device,
+        )
+        self.blocks = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.max_model_len = max_model_len or self.model_config.max_position_embeddings
+        self.scheduler = Scheduler(
+            self.config,
+            self.blocks,
+            self.connector,
+            self.model_config.eos_token_id,
+            self.max_model_len,
+        )
+        self.requests: dict[str, Request] = {}  # unfinished, by request id
+        self.logits_hooks: list[LogitsHook] = []
+        self.stats = EngineStats()
+        self._rng = torch.Generator().manual_seed(seed)
+        self._next_id = 0  # of the next sequence
+
+    @property
+    def num_running(self) -> int:
+        """Sequences running (decoding or in prefill)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued, new or preempted."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def supports_segments(self) -> bool:
+        """Whether prompts in parts reuse their segments' KV (the connector stores segments);
+        without it they run as plain prompts."""
+        return self.connector.supports_segments
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompt given but the model has no tokenizer; pass token ids")
+        return self.tokenizer.encode(text)
+
+    def add_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams
+    ) -> Request:
+        """Queue prompt for params.n samples; request_id None takes a number unique for the
+        engine's life. A bad prompt raises ValueError and changes nothing. The Request returned
+        is updated by every step."""
+        rid = str(self._next_id) if request_id is None else request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is in use")
+        spans, prefix_len = None, 0
+        if isinstance(prompt, str):
+            prompt = self.encode(prompt)
+        elif prompt and all(isinstance(s, PromptPart) for s in prompt):
+            prompt, spans, prefix_len = join_parts(cast("list[PromptPart]", prompt), self.encode)
+        vocab = self.model_config.vocab_size
+        if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
+        tokens = cast("list[int]", prompt)  # every element checked just above
+        req = Request(rid, list(tokens), params)
+        seq = self._new_seq(req, 0)
+        if spans is not None and self.supports_segments:
+            seq.blend = BlendState(spans, prefix_len, self._blend_params(params))
+        self.scheduler.add(seq)
+        self.requests[rid] = req
+        seq.metrics.arrival_time = time.perf_counter()
+        return req
+
+    def step(self) -> list[Request]:
+        """One engine step. Returns the requests that sampled or finished in it; a finished
+        request leaves the engine. Raises NoFit when the head of the queue can never fit."""
+        if not self.has_unfinished():
+            return []
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+            raise NoFit(head.group if head is not None else None)
+        logits = self.runner.run(out)
+        for hook in self.logits_hooks:
+            hook(logits)
+        samplers = [s for s, smp in zip(out.seqs, out.samples()) if smp]
+        rows, seqs, children = [], [], []
+        for i, seq in enumerate(samplers):
+            rows.append(i)
+            seqs.append(seq)
+            if seq.params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0:
+                for k in range(1, seq.params.n):  # the other samples share this prompt's KV
+                    child = self._new_seq(self.requests[seq.group], k)
+                    children.append((seq, child))
+                    rows.append(i)
+                    seqs.append(child)
+        tokens = dict(zip((s.seq_id for s in seqs), sample(logits[rows], seqs))) if seqs else {}
+        logprobs = {
+            s.seq_id: token_logprobs(logits[r], tokens[s.seq_id], s.params.logprobs)
+            for r, s in zip(rows, seqs)
+            if s.params.logprobs is not None
+        }
+        saved, _loaded = self.connector.get_finished()
+        failed = self.connector.get_block_ids_with_load_errors()
+        now = time.perf_counter()
+        done = self.scheduler.postprocess(out, tokens, failed, children)
+        for s in seqs:
+            if s.num_output_tokens == 1 and not s.metrics.first_token_time:
+                s.metrics.first_token_time = now
+            if s.seq_id in logprobs and len(s.logprobs) < s.num_output_tokens:
+                s.logprobs.append(logprobs[s.seq_id])  # not when a failed load dropped the sample
+        for s in done:
+            s.metrics.finish_time = now
+            s.metrics.connector = self.connector.request_metrics(s.request_id)
+        self.scheduler.release_saved(saved)
+        used, empty = self.scheduler.kv_slots()
+        st = self.stats
+        st.steps, st.tokens, st.kv_slots, st.kv_slots_empty = (
+            st.steps + 1,
+            st.tokens + out.num_tokens,
+            st.kv_slots + used,
+            st.kv_slots_empty + empty,
+        )
+        updated = {s.group: self.requests[s.group] for s in seqs}
+        for req in updated.values():
+            if req.finished:
+                del self.requests[req.request_id]
+        return list(updated.values())
+
+    def abort(self, request_id: str, sample: int | None = None) -> None:
+        """Stop a request: its unfinished samples (or only sample index `sample`) leave the
+        queues with their blocks freed and finish_reason "abort". Without `sample`, or once
+        every sample has finished, the engine forgets the request."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        live = [s for s in req.seqs if not s.is_finished and sample in (None, s.sample_index)]
+        self.scheduler.abort(live)
+        now = time.perf_counter()
+        for s in live:
+            s.metrics.finish_time = now
+            s.metrics.connector = self.connector.request_metrics(s.request_id)
+        if sample is None or req.finished:
+            del self.requests[request_id]
+
+    def output(self, req: Request) -> RequestOutput:
+        """req's tokens, text and metrics so far."""
+        return req.output(self.tokenizer)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def _new_seq(self, req: Request, index: int) -> Sequence:
+        params = req.params
+        seed = (
+            params.seed + index
+            if params.seed is not None
+            else int(torch.randint(1 << 62, (1,), generator=self._rng))
+        )
+        seq = Sequence(
+            self._next_id,
+            req.request_id if index == 0 else f"{req.request_id}/{index}",
+            req.request_id,
+            list(req.prompt_token_ids),
+            len(req.prompt_token_ids),
+            params,
+            torch.Generator().manual_seed(seed),
+            sample_index=index,
+        )
+        self._next_id += 1
+        req.seqs.append(seq)
+        return seq
+
+    def _blend_params(self, params: SamplingParams) -> BlendParams:
+        c = self.config
+        ratio = c.blend_ratio if params.blend_ratio is None else params.blend_ratio
+        layer = (
+            c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
+        )
+        return BlendParams(ratio, layer, c.blend_metric, c.blend_gradual)
