@@ -27,7 +27,7 @@ from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState,
 from tierkv.connector.requests import model_fingerprint, record_lookup, request_state
 from tierkv.connector.transfer import Layout, LoadJob, book, run_saves, scatter_layer
 from tierkv.engine.kv_connector import KVConnector
-from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
+from tierkv.kernels import FP8, LayerCache, RotaryEmbedding, gather_kv
 from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.keys import ChunkHasher, Salt
@@ -322,24 +322,11 @@ class TierKVConnector(KVConnector):
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         scales = self.kv_scales
-        ks, vs = (
-            (scales[layer, 0], scales[layer, 1])
-            if kv_layer.dtype == FP8 and scales is not None
-            else (None, None)
-        )
+        cache = LayerCache.of(kv_layer, None if scales is None else scales[layer])
         for p in self.meta.saves:
             c = p.chunk
-            gather_kv(
-                kv_layer[0],
-                kv_layer[1],
-                p.block_ids,
-                c.start,
-                c.end - c.start,
-                p.staging[layer],
-                ks,
-                vs,
-                None if p.scales is None else p.scales[layer],
-            )
+            out_scales = None if p.scales is None else p.scales[layer]
+            gather_kv(cache, p.block_ids, c.start, p.staging[layer], out_scales)
             copied("connector.gather", p.staging[layer].numel() * p.staging.element_size())
 
     def wait_for_save(self) -> None:

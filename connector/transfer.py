@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tierkv.connector.plan import ConnectorStats, LoadPlan, SavePlan
-from tierkv.kernels import RotaryEmbedding, rerotate_k, scatter_kv
+from tierkv.kernels import LayerCache, RotaryEmbedding, rerotate_k, scatter_kv
 from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
@@ -91,8 +91,7 @@ def scatter_layer(
     rope: RotaryEmbedding | None,
 ) -> None:
     """Write layer's K/V of every verified chunk into its request's blocks."""
-    cache = caches[layer]
-    ks, vs = (kv_scales[layer, 0], kv_scales[layer, 1]) if kv_scales is not None else (None, None)
+    cache = LayerCache.of(caches[layer], None if kv_scales is None else kv_scales[layer])
     for plan, good in zip(job.plans, segs):
         stop = plan.end if plan.failed_from is None else plan.failed_from
         parts = []
@@ -109,7 +108,7 @@ def scatter_layer(
                 )
             if seg.scales is not None:  # fp8 chunks carry their own scales: one scatter each
                 scales = torch.from_numpy(seg.scales[layer])
-                scatter_kv(part, cache[0], cache[1], plan.block_ids, lo, ks, vs, scales)
+                scatter_kv(part, cache, plan.block_ids, lo, scales)
                 copied("connector.scatter", part.numel() * part.element_size())
             else:
                 parts.append(part)
@@ -119,7 +118,7 @@ def scatter_layer(
             src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             if len(parts) > 1:
                 copied("connector.join", src.numel() * src.element_size())
-            scatter_kv(src, cache[0], cache[1], plan.block_ids, plan.start, ks, vs, None)
+            scatter_kv(src, cache, plan.block_ids, plan.start)
             copied("connector.scatter", src.numel() * src.element_size())
 
 
