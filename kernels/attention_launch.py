@@ -26,7 +26,7 @@ class AttentionLaunch:
 LAUNCH = AttentionLaunch()
 
 
-def sm_count(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tierkv.kernels.args import AttentionMeta, LayerCache, check_values
-from tierkv.kernels.attention_launch import choose_splits, launch_config, sm_count
+from tierkv.kernels.attention_launch import choose_splits, launch_config, num_sms
 from tierkv.kernels.triton_common import cdiv, launch, rmax, rsum
 
 
@@ -226,7 +226,7 @@ def paged_attention_triton(
         max_k = meta.max_seqlen_k
         if max_k is None and max_q == 1:
             max_k = int(lens.max())
-        num_splits = choose_splits(b, hkv, max_q, max_k or 0, sm_count(q.device))
+        num_splits = choose_splits(b, hkv, max_q, max_k or 0, num_sms(q.device))
     if num_splits > 1 and max_q != 1:
         raise ValueError("split-K serves decode batches (one query per sequence) only")
     block_m, tile_n, num_warps = launch_config(max_q, g_pad, q.is_cuda)
