@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from bench.common import goal, median_time, parser, print_table, write_results
-from tierkv.kernels import paged_attention, paged_attention_ref
+from tierkv.kernels import AttentionMeta, LayerCache, paged_attention, paged_attention_ref
 
 HQ, HKV, D, BS = 8, 2, 64, 16
 DTYPE = torch.bfloat16
@@ -49,13 +49,15 @@ def setup(batch: int, ctx: int, n_q: int, device: str, seed: int = 0):
     dense_v = v.view(-1, HKV, D)[slots].transpose(1, 2).contiguous()
     q = torch.randn(batch * n_q, HQ, D, generator=g).to(device, DTYPE)
     pos = torch.arange(ctx - n_q, ctx, device=device).repeat(batch).int()
-    meta = dict(
+    meta = AttentionMeta(
         block_tables=bt,
         seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device),
         cu_seqlens_q=torch.arange(0, batch * n_q + 1, n_q, dtype=torch.int32, device=device),
         q_positions=pos,
+        max_seqlen_q=n_q,
+        max_seqlen_k=ctx,
     )
-    return q, k, v, meta, dense_k, dense_v
+    return q, LayerCache(k, v), meta, dense_k, dense_v
 
 
 def dense_sdpa(
@@ -82,23 +84,23 @@ def timed(fn, device: str, repeat: int) -> float:
 
 def measure(kind: str, batch: int, ctx: int, device: str, repeat: int) -> dict:
     n_q = 1 if kind == "decode" else ctx
-    q, k, v, meta, dk, dv = setup(batch, ctx, n_q, device)
+    q, cache, meta, dk, dv = setup(batch, ctx, n_q, device)
 
     def paged() -> torch.Tensor:
-        return paged_attention(q, k, v, scale=D**-0.5, **meta, max_seqlen_q=n_q, max_seqlen_k=ctx)
+        return paged_attention(q, cache, meta, D**-0.5)
 
     def base() -> torch.Tensor:
         return dense_sdpa(q, dk, dv, batch, n_q)
 
     def ref() -> torch.Tensor:
-        return paged_attention_ref(q, k, v, scale=D**-0.5, cpu_kernel=False, **meta)
+        return paged_attention_ref(q, cache, meta, D**-0.5, cpu_kernel=False)
 
     err = (paged().float() - base().float()).abs().max().item()
     fns = (paged, base) if device == "cuda" else (paged, base, ref)
     # Alternate them in rounds so that load from other processes hits all alike.
     rounds = [[timed(f, device, repeat) for f in fns] for _ in range(3)]
     t_paged, t_base, *t_ref = (statistics.median(r[i] for r in rounds) for i in range(len(fns)))
-    kv_bytes = 2 * batch * ctx * HKV * D * k.element_size()
+    kv_bytes = 2 * batch * ctx * HKV * D * cache.k.element_size()
     flops = 4 * batch * HQ * D * (ctx * (ctx + 1) / 2 if n_q > 1 else ctx)
     # For scale: the usual GQA call, SDPA(enable_gqa=True), which the fold above outruns on a CPU.
     gqa = lambda: F.scaled_dot_product_attention(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tierkv.connector.plan import LoadPlan, SavePlan
-from tierkv.kernels import FP8, RotaryEmbedding, gather_kv, rerotate_k, scatter_kv
+from tierkv.kernels import LayerCache, RotaryEmbedding, gather_kv, rerotate_k, scatter_kv
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
@@ -117,8 +117,7 @@ def scatter_layer(
     rope: RotaryEmbedding | None,
 ) -> None:
     """Write layer's K/V of every verified chunk into its request's blocks."""
-    cache = caches[layer]
-    ks, vs = (kv_scales[layer, 0], kv_scales[layer, 1]) if kv_scales is not None else (None, None)
+    cache = LayerCache.of(caches[layer], None if kv_scales is None else kv_scales[layer])
     for plan, good in zip(job.plans, segs):
         stop = plan.end if plan.failed_from is None else plan.failed_from
         parts = []
@@ -135,7 +134,7 @@ def scatter_layer(
                 )
             if seg.scales is not None:  # fp8 chunks carry their own scales: one scatter each
                 scales = torch.from_numpy(seg.scales[layer])
-                scatter_kv(part, cache[0], cache[1], plan.block_ids, lo, ks, vs, scales)
+                scatter_kv(part, cache, plan.block_ids, lo, scales)
                 copied("connector.scatter", part.numel() * part.element_size())
             else:
                 parts.append(part)
@@ -145,7 +144,7 @@ def scatter_layer(
             src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             if len(parts) > 1:
                 copied("connector.join", src.numel() * src.element_size())
-            scatter_kv(src, cache[0], cache[1], plan.block_ids, plan.start, ks, vs, None)
+            scatter_kv(src, cache, plan.block_ids, plan.start)
             copied("connector.scatter", src.numel() * src.element_size())
 
 
@@ -162,24 +161,10 @@ class EngineKV(PagedKV):
 
     def gather(self, saves: list[SavePlan], layer: int, kv_layer: torch.Tensor) -> None:
         scales = self.kv_scales
-        ks, vs = (
-            (scales[layer, 0], scales[layer, 1])
-            if kv_layer.dtype == FP8 and scales is not None
-            else (None, None)
-        )
+        cache = LayerCache.of(kv_layer, None if scales is None else scales[layer])
         for p in saves:
-            c = p.chunk
-            gather_kv(
-                kv_layer[0],
-                kv_layer[1],
-                p.block_ids,
-                c.start,
-                c.end - c.start,
-                p.staging[layer],
-                ks,
-                vs,
-                None if p.scales is None else p.scales[layer],
-            )
+            out_scales = None if p.scales is None else p.scales[layer]
+            gather_kv(cache, p.block_ids, p.chunk.start, p.staging[layer], out_scales)
             copied("connector.gather", p.staging[layer].numel() * p.staging.element_size())
 
     def scatter(self, job: LoadJob, segs: list[list[KVSegment]], layer: int) -> None:

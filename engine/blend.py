@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -153,37 +153,27 @@ def blend_forward(
     kv_dtype = runner.kv_caches[0].dtype
 
     def kept(rows: torch.Tensor):
-        """rows (those that reach the last layer) with their positions, int32 positions, cache
-        slots and query offsets, indexed once for every layer that runs them."""
+        """rows (those that reach the last layer) with their positions, cache slots and
+        attention metadata (every key of the prompt), indexed once for every layer that runs
+        them."""
         pos = ctx.positions[rows]
         cu = torch.tensor([0, rows.numel()], dtype=torch.int32, device=rows.device)
-        return rows, pos, pos.to(torch.int32), ctx.slot_mapping[rows], cu
+        meta = replace(
+            ctx.all.meta,
+            cu_seqlens_q=cu,
+            q_positions=pos.to(torch.int32),
+            max_seqlen_q=rows.numel(),
+        )
+        return rows, pos, ctx.slot_mapping[rows], meta
 
-    keep, pos, pos32, slots, cu = kept(torch.nonzero(~cand).flatten())
+    keep, pos, slots, meta = kept(torch.nonzero(~cand).flatten())
 
     def attention(layer: int, q: torch.Tensor) -> torch.Tensor:
         """The kept rows' queries q over the paged cache (every key of the prompt)."""
-        cache = runner.kv_caches[layer]
-        ks, vs = runner.layer_scales(layer)
-        return paged_attention(
-            q,
-            cache[0],
-            cache[1],
-            ctx.all.block_tables,
-            ctx.all.seq_lens,
-            cu,
-            pos32,
-            runner.scale,
-            ks,
-            vs,
-            max_seqlen_q=q.shape[0],
-            max_seqlen_k=ctx.all.max_seqlen_k,
-        )
+        return paged_attention(q, runner.layer_caches[layer], meta, runner.scale)
 
     def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        cache = runner.kv_caches[layer]
-        ks, vs = runner.layer_scales(layer)
-        write_kv(k, v, cache[0], cache[1], slots, ks, vs)
+        write_kv(k, v, runner.layer_caches[layer], slots)
 
     def subset_attend(
         layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -198,7 +188,7 @@ def blend_forward(
         flat = cache[which].view(-1, *cache.shape[3:])
         if kv_dtype.itemsize == 1:  # fp8: index its bytes, compare in real units
             x = flat.view(torch.uint8).index_select(0, at).view(kv_dtype).float()
-            return x * runner.layer_scales(layer)[which].view(-1, 1)
+            return x * runner.kv_scales[layer, which].view(-1, 1)
         return flat.index_select(0, at)
 
     def rank(layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -244,7 +234,7 @@ def blend_forward(
         # full), but attention and MLP only for the kept rows, the only ones read later on.
         layer = model.layers[c]
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), ctx.positions)
-        keep, pos, pos32, slots, cu = kept(rank(c, k, v))
+        keep, pos, slots, meta = kept(rank(c, k, v))
         report.full_layers, first = c, c + 1
         if keep.numel() == n:  # everything kept: the rest is an ordinary prefill
             h = layer.finish(h, runner.attend(c, q, k, v))
@@ -263,7 +253,7 @@ def blend_forward(
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), pos)
         sub = narrow(i, k)
         write(i, k, v)
-        keep, pos, pos32, slots, cu = kept(keep[sub])
+        keep, pos, slots, meta = kept(keep[sub])
         report.recomputed = int(cand[keep].sum())
         h = layer.finish(h[sub], attention(i, q[sub]))
     ctx.logits_indices = torch.tensor([h.shape[0] - 1], device=h.device)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tierkv.engine.scheduler import SchedulerOutput
-from tierkv.kernels import cpu, use_triton
+from tierkv.kernels import AttentionMeta, cpu, use_triton
 
 DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of its longest
 
@@ -29,12 +29,8 @@ class PagedBatch:
     """The sequences that attend through the paged cache (decodes, chunks over a cached prefix)."""
 
     rows: torch.Tensor | None  # int64 query rows of these sequences; None = all real rows
-    block_tables: torch.Tensor  # int32 [B, max_blocks], -1 padded
-    seq_lens: torch.Tensor  # int32 [B] keys in cache after this step's write
-    cu_seqlens_q: torch.Tensor  # int32 [B+1]
-    q_positions: torch.Tensor  # int32 [Nq] absolute positions
-    max_seqlen_q: int
-    max_seqlen_k: int
+    # int32 tensors, block tables -1 padded, seq_lens the keys after this step's write
+    meta: AttentionMeta
 
 
 @dataclass(slots=True)
@@ -90,12 +86,14 @@ def build_context(
     lens = start_t + count_t
     full = PagedBatch(
         None,
-        tables.to(dev),
-        lens.to(torch.int32).to(dev),
-        cu.to(torch.int32).to(dev),
-        positions.to(torch.int32).to(dev),
-        max(counts),
-        int(lens.max()),
+        AttentionMeta(
+            tables.to(dev),
+            lens.to(torch.int32).to(dev),
+            cu.to(torch.int32).to(dev),
+            positions.to(torch.int32).to(dev),
+            max(counts),
+            int(lens.max()),
+        ),
     )
     decode = None
     if use_triton(tables.to(dev)):  # the Triton kernel takes the whole step at once
@@ -164,10 +162,12 @@ def _batch(
     width = max(1, int((lens[sel].max() + block_size - 1) // block_size))
     return PagedBatch(
         rows.to(dev),
-        tables[sel, :width].to(dev),
-        lens[sel].to(torch.int32).to(dev),
-        kcu.to(torch.int32).to(dev),
-        positions[rows].to(torch.int32).to(dev),
-        int(c.max()),
-        int(lens[sel].max()),
+        AttentionMeta(
+            tables[sel, :width].to(dev),
+            lens[sel].to(torch.int32).to(dev),
+            kcu.to(torch.int32).to(dev),
+            positions[rows].to(torch.int32).to(dev),
+            int(c.max()),
+            int(lens[sel].max()),
+        ),
     )

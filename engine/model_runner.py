@@ -17,7 +17,7 @@ from tierkv.engine.context import Context, build_context
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.model import LlamaForCausalLM
 from tierkv.engine.scheduler import SchedulerOutput
-from tierkv.kernels import FP8, cpu, fp8_scales, paged_attention, write_kv
+from tierkv.kernels import FP8, LayerCache, cpu, fp8_scales, paged_attention, write_kv
 from tierkv.kernels.layer_ops import native_matmul
 
 FP8_HEADROOM = 2.0  # scales from the first batch's amax, doubled so later tokens rarely saturate
@@ -76,10 +76,12 @@ class ModelRunner:
             cfg.num_hidden_layers, 2, cfg.num_key_value_heads, device=device
         )
         self.calibrated = self.kv_dtype != FP8
+        # Views: the kernels see the scales calibrated in place and the copies-on-write.
+        self.layer_caches = [LayerCache.of(c, s) for c, s in zip(self.kv_caches, self.kv_scales)]
         # The C++ CPU decode kernel walks each sequence's own keys: decodes of any lengths go in
         # one call. The torch reference pads a decode batch to its longest sequence instead.
         q = torch.empty(1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.one_decode_group = cpu.decode_usable(q, self.kv_caches[0][0], self.kv_caches[0][1])
+        self.one_decode_group = cpu.decode_usable(q, self.layer_caches[0])
         self.scale = cfg.head_dim**-0.5
         self.ctx: Context | None = None
         # kv_scales is filled in place on the first forward, so the connector sees the final scales.
@@ -97,39 +99,27 @@ class ModelRunner:
         )
         return self.ctx
 
-    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(k_scale, v_scale) of layer's fp8 cache, or (None, None)."""
-        return (
-            (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
-            if self.kv_dtype == FP8
-            else (None, None)
-        )
-
-    def store(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the step's K/V of layer into the cache (after that layer's load landed) and hand
-        it to the connector's saves; returns the layer's fp8 scales (or Nones)."""
-        ctx, cache = self.ctx, self.kv_caches[layer]
+        it to the connector's saves."""
+        ctx = self.ctx
         assert ctx is not None  # set by prepare() before the layers run
         n = ctx.num_tokens
         if not self.calibrated:
             self.kv_scales[layer, 0] = fp8_scales(k[:n]) * FP8_HEADROOM
             self.kv_scales[layer, 1] = fp8_scales(v[:n]) * FP8_HEADROOM
-        ks, vs = self.layer_scales(layer)
         self.connector.wait_for_layer_load(layer)
-        write_kv(k, v, cache[0], cache[1], ctx.slot_mapping, ks, vs)
-        self.connector.save_kv_layer(layer, cache, ctx)
-        return ks, vs
+        write_kv(k, v, self.layer_caches[layer], ctx.slot_mapping)
+        self.connector.save_kv_layer(layer, self.kv_caches[layer], ctx)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx, cache = self.ctx, self.kv_caches[layer]
+        ctx, cache = self.ctx, self.layer_caches[layer]
         assert ctx is not None  # set by prepare() before the layers run
         n = ctx.num_tokens
-        ks, vs = self.store(layer, k, v)
+        self.store(layer, k, v)
         if ctx.decode is not None:  # decodes only: straight to the C++ kernel
             ids, seen, chunk = ctx.decode
-            o = cpu.paged_decode(q[:n], cache[0], cache[1], ids, seen, self.scale, ks, vs, chunk)
+            o = cpu.paged_decode(q[:n], cache, ids, seen, self.scale, chunk)
             if n == q.shape[0]:
                 return o
             out = torch.zeros_like(q)
@@ -154,20 +144,7 @@ class ModelRunner:
             )[0].transpose(0, 1)
         for p in ctx.paged:
             qp = q[:n] if p.rows is None else q[p.rows]
-            o = paged_attention(
-                qp,
-                cache[0],
-                cache[1],
-                p.block_tables,
-                p.seq_lens,
-                p.cu_seqlens_q,
-                p.q_positions,
-                self.scale,
-                ks,
-                vs,
-                max_seqlen_q=p.max_seqlen_q,
-                max_seqlen_k=p.max_seqlen_k,
-            )
+            o = paged_attention(qp, cache, p.meta, self.scale)
             if p.rows is None:
                 out[:n] = o
             else:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from tierkv.kernels.fp8 import FP8, is_fp8
+from tierkv.kernels.args import LayerCache
+from tierkv.kernels.fp8 import FP8
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
@@ -130,16 +131,16 @@ def _fp8_table() -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(FP8).float()
 
 
-def decode_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def decode_usable(q: torch.Tensor, cache: LayerCache) -> bool:
     """True when the kernel serves this call: CPU tensors, a cache in q's dtype or fp8, the
     kernel's size limits, and a successful build."""
-    g = q.shape[1] // k_cache.shape[2]
+    g = q.shape[1] // cache.k.shape[2]
     return (
         q.device.type == "cpu"
         and enabled()
-        and (k_cache.dtype == q.dtype or is_fp8(k_cache))
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and (cache.k.dtype == q.dtype or cache.fp8)
+        and cache.k.is_contiguous()
+        and cache.v.is_contiguous()
         and q.shape[2] % 16 == 0
         and q.shape[2] <= 256
         and g <= 16
@@ -159,9 +160,7 @@ def rope_usable(x: torch.Tensor) -> bool:
     )
 
 
-def write_kv_usable(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> bool:
+def write_kv_usable(k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> bool:
     """True when torch.ops.tierkv.write_kv serves this write: CPU tensors, the caches in k's
     dtype (fp8 caches quantize: the reference does that), rows contiguous."""
     return (
@@ -171,33 +170,30 @@ def write_kv_usable(
         and v.dim() == 3
         and k.stride(2) == 1
         and v.stride(2) == 1
-        and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and cache.k.dtype == k.dtype == v.dtype == cache.v.dtype
+        and cache.k.is_contiguous()
+        and cache.v.is_contiguous()
         and load()
     )
 
 
 def paged_decode(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     ids: torch.Tensor,
     seen: torch.Tensor,
     scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
     """q [b, Hq, D] (one query per sequence) over keys [0, seen[i]) of blocks ids[i] -> [b, Hq, D].
     chunk: keys per task, decode_chunk(seen.sum()) where None.
 
     Contract (checked by the caller, kernels/ref_attention.py, before any read): ids [b, nblk]
-    int64 holds valid block ids of k_cache for every block that seen[i] covers; seen [b] int64
-    <= nblk * block_size; decode_usable(q, k_cache, v_cache) is True; fp8 caches come with float32
-    scales [Hkv]."""
-    fp8 = is_fp8(k_cache)
-    kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
+    int64 holds valid block ids of the cache for every block that seen[i] covers; seen [b] int64
+    <= nblk * block_size; decode_usable(q, cache) is True; fp8 caches come with float32 scales
+    [Hkv]."""
+    fp8 = cache.fp8
+    kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if fp8 else (cache.k, cache.v)
     return torch.ops.tierkv.paged_decode(
         q.contiguous(),
         kc,
@@ -205,8 +201,8 @@ def paged_decode(
         ids,
         seen,
         scale,
-        k_scale if fp8 else None,
-        v_scale if fp8 else None,
+        cache.k_scale if fp8 else None,
+        cache.v_scale if fp8 else None,
         _fp8_table() if fp8 else None,
         decode_chunk(int(seen.sum())) if chunk is None else chunk,
     )

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tierkv.kernels import cpu
-from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
+from tierkv.kernels.args import AttentionMeta, LayerCache, check_values
 from tierkv.kernels.fp8 import is_fp8, need_scale
 
 PLANS = 8  # plans kept per thread: an engine step makes one call per decode group and layer
@@ -73,19 +73,13 @@ def gather_heads(
 
 
 def _dense_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    bt: torch.Tensor,
-    length: int,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    dtype: torch.dtype,
+    cache: LayerCache, bt: torch.Tensor, length: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = head_rows(bt, length, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2])
+    rows = head_rows(bt, length, *cache.k.shape[:3])
     out = []
-    for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
-        x = gather_heads(cache, rows, bt.shape[0], length, i)
-        if is_fp8(cache):
+    for i, (side, scale) in enumerate(cache.sides()):
+        x = gather_heads(side, rows, bt.shape[0], length, i)
+        if is_fp8(side):
             x = (x.float() * need_scale(scale).view(1, -1, 1, 1)).to(dtype)
         out.append(x if x.dtype == dtype else x.to(dtype))
     return out[0], out[1]
@@ -118,16 +112,9 @@ class _Plan:
     prefills: list[tuple[int, int, int, int, list[tuple[int, int, int]]]]
 
 
-def _plan(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    q_positions: torch.Tensor,
-) -> _Plan:
-    ts = (block_tables, seq_lens, cu_seqlens_q, q_positions)
-    geo = (q.shape[0], tuple(k_cache.shape), q.device)
+def _plan(q: torch.Tensor, cache: LayerCache, meta: AttentionMeta) -> _Plan:
+    ts = (meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.q_positions)
+    geo = (q.shape[0], tuple(cache.k.shape), q.device)
     plans = _WS.plans
     for i, old in enumerate(plans):
         # By value (a few hundred ints): inference tensors keep no version counter to trust.
@@ -137,15 +124,15 @@ def _plan(
             plans.insert(0, plans.pop(i))
             return old
     key = [t.clone() for t in ts] + [geo]
-    check_attention_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
-    lens, cu, pos = seq_lens.long(), cu_seqlens_q.long(), q_positions.long()
+    check_values(q, cache, meta)
+    lens, cu, pos = meta.seq_lens.long(), meta.cu_seqlens_q.long(), meta.q_positions.long()
     counts = cu[1:] - cu[:-1]
     dec = torch.nonzero((counts == 1) & (lens > 0)).flatten()
     rows = ids = visible = seen = None
     if dec.numel():
-        rows, bs = cu[dec], k_cache.shape[1]
+        rows, bs = cu[dec], cache.k.shape[1]
         nblk = -(-int(lens[dec].max()) // bs)
-        ids = block_tables[dec, :nblk].long().clamp(0, k_cache.shape[0] - 1).flatten()
+        ids = meta.block_tables[dec, :nblk].long().clamp(0, cache.k.shape[0] - 1).flatten()
         seen = torch.minimum(lens[dec], pos[rows] + 1)  # key j is seen iff j < seq_len and j <= pos
         visible = (torch.arange(nblk * bs, device=q.device) < seen[:, None])[:, None, None, :]
     # A sequence with no keys has nothing to attend to: its rows stay zero.
@@ -171,14 +158,7 @@ def _chunks(pos: torch.Tensor, length: int) -> list[tuple[int, int, int]]:
 
 
 def _decode(
-    q: torch.Tensor,
-    plan: _Plan,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    cpu_kernel: bool,
+    q: torch.Tensor, plan: _Plan, cache: LayerCache, scale: float, cpu_kernel: bool
 ) -> torch.Tensor:
     """One query per sequence: q [b, Hq, D] over the plan's decode blocks -> [b, Hq, D].
 
@@ -189,15 +169,13 @@ def _decode(
     b, hq, d = q.shape
     dec_ids, dec_seen = plan.dec_ids, plan.dec_seen
     assert dec_ids is not None and dec_seen is not None  # called only for a plan with decodes
-    if cpu_kernel and cpu.decode_usable(q, k_cache, v_cache):
-        return cpu.paged_decode(
-            q, k_cache, v_cache, dec_ids.view(b, -1), dec_seen, scale, k_scale, v_scale
-        )
-    hkv = k_cache.shape[2]
+    if cpu_kernel and cpu.decode_usable(q, cache):
+        return cpu.paged_decode(q, cache, dec_ids.view(b, -1), dec_seen, scale)
+    hkv = cache.k.shape[2]
     kv = []
-    for i, (cache, sc) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
-        x = gather_blocks(cache, dec_ids, b, i)
-        if is_fp8(cache):
+    for i, (side, sc) in enumerate(cache.sides()):
+        x = gather_blocks(side, dec_ids, b, i)
+        if is_fp8(side):
             x = x.float() * need_scale(sc).view(1, 1, -1, 1)
         kv.append((x if x.dtype == q.dtype else x.to(q.dtype)).transpose(1, 2))
     o = F.scaled_dot_product_attention(
@@ -231,42 +209,34 @@ def _prefill(
 
 def paged_attention_ref(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    q_positions: torch.Tensor,
+    cache: LayerCache,
+    meta: AttentionMeta,
     scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
     cpu_kernel: bool = False,
 ) -> torch.Tensor:
-    """cpu_kernel: decodes and prefills go through the C++ kernels (kernels/cpu.py) where they
-    are usable (the engine's CPU path); False keeps everything in torch (the reference proper)."""
-    check_attention_args(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions, k_scale, v_scale
-    )
+    """Arguments as kernels.paged_attention checks them; the values are checked here, once per
+    plan. cpu_kernel: decodes and prefills go through the C++ kernels (kernels/cpu.py) where
+    they are usable (the engine's CPU path); False keeps everything in torch (the reference
+    proper)."""
     if q.shape[0] == 0:
-        check_attention_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
+        check_values(q, cache, meta)
         return torch.zeros_like(q)
-    plan = _plan(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
+    plan = _plan(q, cache, meta)
     if plan.dec_all:
-        return _decode(q, plan, k_cache, v_cache, scale, k_scale, v_scale, cpu_kernel)
+        return _decode(q, plan, cache, scale, cpu_kernel)
     out = torch.zeros_like(q)
     if plan.dec_rows is not None:
-        out[plan.dec_rows] = _decode(
-            q[plan.dec_rows], plan, k_cache, v_cache, scale, k_scale, v_scale, cpu_kernel
-        )
-    kernel = cpu_kernel and cpu.prefill_usable(
-        q, k_cache[0], v_cache[0]
-    )  # also: the cache in q's dtype
+        out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, cache, scale, cpu_kernel)
+    # The prefill kernel also needs the cache in q's dtype.
+    kernel = cpu_kernel and cpu.prefill_usable(q, cache.k[0], cache.v[0])
+    bs = cache.k.shape[1]
     for b, s, e, t, chunks in plan.prefills:
+        bt = meta.block_tables[b : b + 1]
         if kernel:  # whole blocks gathered token-major, then the C++ kernel
-            ids = block_tables[b, : -(-t // k_cache.shape[1])].long()
-            k, v = (gather_blocks(c, ids, 1, i)[0, :t] for i, c in enumerate((k_cache, v_cache)))
+            ids = bt[0, : -(-t // bs)].long()
+            k, v = (gather_blocks(c, ids, 1, i)[0, :t] for i, c in enumerate((cache.k, cache.v)))
             out[s:e] = cpu.prefill_attention(q[s:e], k, v, plan.pos[s:e], scale)
             continue
-        k, v = _dense_kv(k_cache, v_cache, block_tables[b : b + 1], t, k_scale, v_scale, q.dtype)
+        k, v = _dense_kv(cache, bt, t, q.dtype)
         out[s:e] = _prefill(q[s:e], plan.pos[s:e], k, v, chunks, scale)
     return out

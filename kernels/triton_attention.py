@@ -10,14 +10,12 @@ needs no host-side sequence lengths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from tierkv.kernels.attention_checks import check_attention_args, check_attention_values
-from tierkv.kernels.fp8 import is_fp8
+from tierkv.kernels.args import AttentionMeta, LayerCache, check_values
+from tierkv.kernels.attention_launch import choose_splits, launch_config, num_sms
 from tierkv.kernels.triton_common import cdiv, launch, rmax, rsum
 
 
@@ -199,89 +197,21 @@ def _combine_kernel(
     )
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@dataclass(slots=True)
-class AttentionLaunch:
-    """Tile shapes and split-K policy of the Triton attention kernel (GPU tuning knobs)."""
-
-    decode_block_m: int = (
-        16  # query rows per program when a token's GQA group fits (tl.dot needs >= 16)
-    )
-    prefill_block_m: int = (
-        128  # query rows per program for prefill on a GPU (64 under the interpreter)
-    )
-    tile_n: int = 64  # keys per inner step
-    decode_warps: int = 4
-    prefill_warps: int = 8
-    programs_per_sm: int = 4  # split-K adds splits until the grid has this many programs per SM
-    min_tiles_per_split: int = 4  # ... while every split keeps at least this many key tiles
-    max_splits: int = 128  # a power of 2
-
-
-LAUNCH = AttentionLaunch()
-
-
-def choose_splits(
-    num_seqs: int,
-    num_kv_heads: int,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    sm_count: int,
-    cfg: AttentionLaunch = LAUNCH,
-) -> int:
-    """Split-K only pays when the grid cannot fill the device: decode-sized queries, fewer
-    (sequence, KV head) programs than programs_per_sm per SM, and enough key tiles per split."""
-    if max_seqlen_q > 1:
-        return 1
-    programs = num_seqs * num_kv_heads
-    splits = 1
-    while (
-        splits < cfg.max_splits
-        and programs * splits < cfg.programs_per_sm * sm_count
-        and max_seqlen_k >= splits * 2 * cfg.min_tiles_per_split * cfg.tile_n
-    ):
-        splits *= 2
-    return splits
-
-
-def launch_config(
-    max_seqlen_q: int, g_pad: int, cuda: bool, cfg: AttentionLaunch = LAUNCH
-) -> tuple[int, int, int]:
-    """(BLOCK_M query rows, TILE_N keys, num_warps) for this batch."""
-    if max_seqlen_q * g_pad <= cfg.decode_block_m:
-        return cfg.decode_block_m, cfg.tile_n, cfg.decode_warps
-    return (cfg.prefill_block_m if cuda else 64), cfg.tile_n, cfg.prefill_warps
-
-
 def paged_attention_triton(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    q_positions: torch.Tensor,
+    cache: LayerCache,
+    meta: AttentionMeta,
     scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
     *,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as paged_attention_ref. num_splits forces the split-K mode (a power of 2)."""
-    check_attention_args(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_positions, k_scale, v_scale
-    )
-    check_attention_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, q_positions)
+    check_values(q, cache, meta)
+    k_cache, v_cache = cache.k, cache.v
+    bt, lens, cu = meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
     nq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    b = seq_lens.shape[0]
+    b = lens.shape[0]
     out = torch.empty_like(q)
     if nq == 0 or b == 0:
         return out
@@ -289,35 +219,37 @@ def paged_attention_triton(
         raise ValueError("q and the caches need a contiguous head dim")
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    max_q = meta.max_seqlen_q
+    if max_q is None:
+        max_q = int((cu[1:] - cu[:-1]).max())
     if num_splits is None:
-        if max_seqlen_k is None and max_seqlen_q == 1:
-            max_seqlen_k = int(seq_lens.max())
-        num_splits = choose_splits(b, hkv, max_seqlen_q, max_seqlen_k or 0, _sm_count(q.device))
-    if num_splits > 1 and max_seqlen_q != 1:
+        max_k = meta.max_seqlen_k
+        if max_k is None and max_q == 1:
+            max_k = int(lens.max())
+        num_splits = choose_splits(b, hkv, max_q, max_k or 0, num_sms(q.device))
+    if num_splits > 1 and max_q != 1:
         raise ValueError("split-K serves decode batches (one query per sequence) only")
-    block_m, tile_n, num_warps = launch_config(max_seqlen_q, g_pad, q.is_cuda)
+    block_m, tile_n, num_warps = launch_config(max_q, g_pad, q.is_cuda)
     block_q = max(block_m // g_pad, 1)
     d_pad = triton.next_power_of_2(d)
-    fp8 = is_fp8(k_cache)
+    fp8 = cache.fp8
     if num_splits > 1:
         part_acc = torch.empty(nq * hq * num_splits, d_pad, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(nq * hq * num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    ks = k_scale if fp8 else out
-    vs = v_scale if fp8 else out
+    ks = cache.k_scale if fp8 else out
+    vs = cache.v_scale if fp8 else out
     grid = (nq // block_q + b, hkv, num_splits)
     launch(_attn_kernel, grid)(
         q,
         k_cache,
         v_cache,
         out,
-        block_tables,
-        seq_lens,
-        cu_seqlens_q,
-        q_positions,
+        bt,
+        lens,
+        cu,
+        meta.q_positions,
         ks,
         vs,
         part_acc,
@@ -335,7 +267,7 @@ def paged_attention_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        block_tables.stride(0),
+        bt.stride(0),
         G=g,
         G_PAD=g_pad,
         BLOCK_Q=block_q,

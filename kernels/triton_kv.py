@@ -3,7 +3,7 @@ scatter of one request's token range between the paged cache and a segment slice
 
 Each token row is its Hkv*D elements, contiguous in the cache and in the segment. A
 conversion goes through fp32: dequantize with the source scale, quantize with the
-destination scale (e4m3 saturates at +-448).
+destination scale (e4m3 saturates at +-448). Arguments as kernels/__init__.py checks them.
 """
 
 from __future__ import annotations
@@ -12,15 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tierkv.kernels.args import LayerCache
 from tierkv.kernels.dispatch import interpret
 from tierkv.kernels.fp8 import FP8, FP8_MAX, is_fp8, need_scale
-from tierkv.kernels.ref_kv import (
-    check_cache_pair,
-    check_segment,
-    check_write_args,
-    put_rows,
-    token_slots,
-)
+from tierkv.kernels.ref_kv import put_rows, token_slots
 from tierkv.kernels.triton_common import launch, rmax
 
 
@@ -165,36 +160,29 @@ def _hd_pad(k_cache: torch.Tensor) -> tuple[int, int, int]:
 
 
 def write_kv_triton(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor
 ) -> None:
-    check_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k.shape[0] == 0:
         return
-    hd, hd_pad, d = _hd_pad(k_cache)
+    hd, hd_pad, d = _hd_pad(cache.k)
     k, v = k.contiguous(), v.contiguous()
-    fp8 = is_fp8(k_cache)
-    ks = need_scale(k_scale).float().contiguous() if fp8 else k
-    vs = need_scale(v_scale).float().contiguous() if fp8 else v
+    fp8 = cache.fp8
+    ks = need_scale(cache.k_scale).float().contiguous() if fp8 else k
+    vs = need_scale(cache.v_scale).float().contiguous() if fp8 else v
     stage = _stage(fp8, 2 * k.shape[0] * hd, k.device)
     launch(_write_kernel, (k.shape[0],))(
         k,
         v,
-        k_cache,
-        v_cache,
+        cache.k,
+        cache.v,
         slot_mapping,
         ks,
         vs,
         k if stage is None else stage,
         k.stride(0),
         v.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(1),
+        cache.k.stride(1),
+        cache.v.stride(1),
         HD=hd,
         HD_PAD=hd_pad,
         HEAD_D=d,
@@ -204,8 +192,8 @@ def write_kv_triton(
     if stage is not None:
         keep = slot_mapping >= 0
         rows = stage.view(-1, 2, *k.shape[1:])[keep].to(FP8)
-        put_rows(k_cache, slot_mapping[keep].long(), rows[:, 0])
-        put_rows(v_cache, slot_mapping[keep].long(), rows[:, 1])
+        put_rows(cache.k, slot_mapping[keep].long(), rows[:, 0])
+        put_rows(cache.v, slot_mapping[keep].long(), rows[:, 1])
 
 
 def _move(
@@ -257,63 +245,48 @@ def _move(
     if to_seg:
         seg.copy_(rows)
     else:
-        put_rows(cache, token_slots(block_ids, start, length, cache.shape[1], cache.shape[0]), rows)
+        put_rows(cache, token_slots(block_ids, start, length, cache.shape[1]), rows)
+
+
+def _rows_contiguous(seg: torch.Tensor) -> None:
+    if seg.stride(1) != seg.shape[2] * seg.shape[3] or seg.stride(3) != 1:
+        raise ValueError("segment rows must be contiguous")
 
 
 def gather_kv_triton(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    start: int,
-    length: int,
-    out: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    out_scales: torch.Tensor | None = None,
+    cache: LayerCache, ids: torch.Tensor, start: int, out: torch.Tensor, sc: torch.Tensor | None
 ) -> None:
-    check_cache_pair(k_cache, v_cache, k_scale, v_scale)
-    check_segment(out, k_cache, length, out_scales)
-    token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])  # range checks
+    """gather_kv: ids the request's block ids, sc the scales of an fp8 out."""
+    length = out.shape[1]
     if length == 0:
         return
-    if out.stride(1) != out.shape[2] * out.shape[3] or out.stride(3) != 1:
-        raise ValueError("segment rows must be contiguous")
-    h = k_cache.shape[2]
-    for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+    _rows_contiguous(out)
+    h, d = cache.k.shape[2:]
+    for i, (src, scale) in enumerate(cache.sides()):
         if is_fp8(out):
-            if is_fp8(cache):
-                need_scale(out_scales)[i] = need_scale(scale).float()
+            if is_fp8(src):
+                need_scale(sc)[i] = need_scale(scale).float()
             else:
-                amax = torch.zeros(h * k_cache.shape[3], dtype=torch.float32, device=cache.device)
-                _move(cache, out[i], block_ids, start, length, None, None, True, amax)
-                need_scale(out_scales)[i] = amax.view(h, -1).amax(1).clamp(min=1e-12) / FP8_MAX
-        dst_sc = need_scale(out_scales)[i].float().contiguous() if is_fp8(out) else None
-        src_sc = need_scale(scale).float().contiguous() if is_fp8(cache) else None
-        _move(cache, out[i], block_ids, start, length, src_sc, dst_sc, True)
+                amax = torch.zeros(h * d, dtype=torch.float32, device=src.device)
+                _move(src, out[i], ids, start, length, None, None, True, amax)
+                need_scale(sc)[i] = amax.view(h, d).amax(1).clamp(min=1e-12) / FP8_MAX
+        dst_sc = need_scale(sc)[i].float().contiguous() if is_fp8(out) else None
+        src_sc = need_scale(scale).float().contiguous() if is_fp8(src) else None
+        _move(src, out[i], ids, start, length, src_sc, dst_sc, True)
 
 
 def scatter_kv_triton(
-    src: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    start: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    src_scales: torch.Tensor | None = None,
+    src: torch.Tensor, cache: LayerCache, ids: torch.Tensor, start: int, sc: torch.Tensor | None
 ) -> None:
-    check_cache_pair(k_cache, v_cache, k_scale, v_scale)
-    length = src.shape[1] if src.dim() == 4 else -1
-    check_segment(src, k_cache, length, src_scales)
-    token_slots(block_ids, start, length, k_cache.shape[1], k_cache.shape[0])
+    """scatter_kv: ids the request's block ids, sc the scales of an fp8 src."""
+    length = src.shape[1]
     if length == 0:
         return
-    if src.stride(1) != src.shape[2] * src.shape[3] or src.stride(3) != 1:
-        raise ValueError("segment rows must be contiguous")
-    for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
-        src_sc = need_scale(src_scales)[i].float().contiguous() if is_fp8(src) else None
-        dst_sc = need_scale(scale).float().contiguous() if is_fp8(cache) else None
-        _move(cache, src[i], block_ids, start, length, src_sc, dst_sc, False)
+    _rows_contiguous(src)
+    for i, (dst, scale) in enumerate(cache.sides()):
+        src_sc = need_scale(sc)[i].float().contiguous() if is_fp8(src) else None
+        dst_sc = need_scale(scale).float().contiguous() if is_fp8(dst) else None
+        _move(dst, src[i], ids, start, length, src_sc, dst_sc, False)
 
 
 __all__ = ["gather_kv_triton", "scatter_kv_triton", "write_kv_triton"]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.test_kernels import tol
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
-from tierkv.kernels import cpu, paged_attention, paged_attention_ref
+from tierkv.kernels import AttentionMeta, LayerCache, cpu, paged_attention, paged_attention_ref
 
 pytestmark = pytest.mark.cpu_path
 
@@ -27,18 +27,7 @@ def _cpu_path(monkeypatch):
 
 def both(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(dispatch = the C++ kernel for decodes, the pure torch reference)."""
-    args = (
-        b.q,
-        b.k_cache,
-        b.v_cache,
-        b.block_tables,
-        b.seq_lens,
-        b.cu_seqlens_q,
-        b.q_positions,
-        b.scale,
-        b.k_scale,
-        b.v_scale,
-    )
+    args = (b.q, b.cache, b.meta, b.scale)
     return paged_attention(*args), paged_attention_ref(*args, cpu_kernel=False)
 
 
@@ -55,7 +44,7 @@ def test_decode_matches_reference_and_dense(dtype, hq, hkv, d):
         dtype=dtype,
         seqs=[(1, 1), (37, 1), (150, 1), (0, 0), (64, 1), (90, [40])],
     )
-    assert cpu.decode_usable(b.q, b.k_cache, b.v_cache)
+    assert cpu.decode_usable(b.q, b.cache)
     got, ref = both(b)
     torch.testing.assert_close(got, ref, **tol(dtype))
     torch.testing.assert_close(got, dense_attention(b), **tol(dtype))
@@ -123,15 +112,20 @@ def paged(nb: int, bs: int, lens: list[int], hq: int, hkv: int, d: int, seed: in
     return q, k, v, bt, torch.tensor(lens)
 
 
+def decodes(
+    k: torch.Tensor, v: torch.Tensor, bt: torch.Tensor, lens: torch.Tensor
+) -> tuple[LayerCache, AttentionMeta]:
+    """paged()'s cache and the metadata of its decodes (one query each, at the last key)."""
+    return LayerCache(k, v), AttentionMeta(bt, lens, torch.arange(len(lens) + 1), lens - 1)
+
+
 @pytest.mark.parametrize("bs", [8, 16, 32, 48])
 @pytest.mark.parametrize("chunk", [7, 16, 50, 4096])
 def test_block_sizes_and_key_runs(bs, chunk):
     # Tiles of 16 tokens inside larger blocks, part-tiles in smaller ones; runs of keys (one
     # task each, merged by log-sum-exp) that start mid-block or mid-tile, or cover everything.
     q, k, v, bt, lens = paged(64, bs, [1, 5, 100, 333], 8, 2, 64, seed=bs + chunk)
-    want = paged_attention_ref(
-        q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False
-    )
+    want = paged_attention_ref(q, *decodes(k, v, bt, lens), 0.125, cpu_kernel=False)
     got = torch.ops.tierkv.paged_decode(q, k, v, bt, lens, 0.125, None, None, None, chunk)
     torch.testing.assert_close(got, want, **tol(torch.float32))
 
@@ -161,14 +155,13 @@ def test_bf16_decode_within_its_rounding(lens, heads, bs, seed):
 def test_threads_and_concurrent_callers():
     # The engine calls from one thread with torch's pool; several callers must not share state.
     q, k, v, bt, lens = paged(256, 16, [700, 1, 250, 1000], 8, 2, 64, seed=1)
-    want = paged_attention_ref(
-        q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125, cpu_kernel=False
-    )
+    cache, meta = decodes(k, v, bt, lens)
+    want = paged_attention_ref(q, cache, meta, 0.125, cpu_kernel=False)
     got: list[torch.Tensor] = []
 
     def call() -> None:
         for _ in range(5):
-            got.append(paged_attention(q, k, v, bt, lens, torch.arange(5), lens - 1, 0.125))
+            got.append(paged_attention(q, cache, meta, 0.125))
 
     threads = [threading.Thread(target=call) for _ in range(4)]
     for t in threads:
@@ -183,7 +176,7 @@ def test_threads_and_concurrent_callers():
 def test_reference_where_the_kernel_does_not_apply(monkeypatch):
     b = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(40, 1), (9, 1)])
     monkeypatch.setenv("TIERKV_CPU_KERNEL", "0")
-    assert not cpu.decode_usable(b.q, b.k_cache, b.v_cache)
+    assert not cpu.decode_usable(b.q, b.cache)
     monkeypatch.delenv("TIERKV_CPU_KERNEL")
     odd = make_batch(
         seed=2, hq=4, hkv=2, d=40, dtype=torch.float32, seqs=[(40, 1)]
@@ -192,7 +185,7 @@ def test_reference_where_the_kernel_does_not_apply(monkeypatch):
         seed=2, hq=4, hkv=2, d=64, dtype=torch.bfloat16, seqs=[(40, 1)], cache_dtype=torch.float32
     )
     for x in (odd, mixed):
-        assert not cpu.decode_usable(x.q, x.k_cache, x.v_cache)
+        assert not cpu.decode_usable(x.q, x.cache)
         got, ref = both(x)
         torch.testing.assert_close(got, ref, **tol(x.q.dtype))
 
@@ -201,10 +194,9 @@ def test_kernel_values_are_not_the_reference():
     # Guard against a dispatch that silently runs the reference: the kernel's exp and
     # summation order differ, so fp32 outputs match closely but not bit for bit.
     q, k, v, bt, lens = paged(64, 16, [333, 200], 8, 2, 64, seed=4)
-    want = paged_attention_ref(
-        q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125, cpu_kernel=False
-    )
-    got = paged_attention(q, k, v, bt, lens, torch.arange(3), lens - 1, 0.125)
+    cache, meta = decodes(k, v, bt, lens)
+    want = paged_attention_ref(q, cache, meta, 0.125, cpu_kernel=False)
+    got = paged_attention(q, cache, meta, 0.125)
     torch.testing.assert_close(got, want, **tol(torch.float32))
     assert not torch.equal(got, want)
 
@@ -283,15 +275,16 @@ def test_write_kv_op_matches_reference(dtype):
     slots = torch.randperm(9 * 16, generator=g)[:40]
     slots[::7] = -1  # padding rows are skipped
     caches = [torch.zeros(9, 16, 2, 64, dtype=dtype) for _ in range(4)]
-    assert cpu.write_kv_usable(k, v, caches[0], caches[1])
-    write_kv(k, v, caches[0], caches[1], slots)
-    write_kv_ref(k, v, caches[2], caches[3], slots)
+    cache, ref = LayerCache(caches[0], caches[1]), LayerCache(caches[2], caches[3])
+    assert cpu.write_kv_usable(k, v, cache)
+    write_kv(k, v, cache, slots)
+    write_kv_ref(k, v, ref, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     before = [c.clone() for c in caches[:2]]
     bad = slots.clone()
     bad[-1] = 9 * 16  # one past the end: an error, and nothing written
     with pytest.raises(ValueError, match="past the end"):
-        write_kv(k + 1, v + 1, caches[0], caches[1], bad)
+        write_kv(k + 1, v + 1, cache, bad)
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.engine import LLM, SamplingParams
-from tierkv.kernels import cpu, paged_attention, paged_attention_ref
+from tierkv.kernels import AttentionMeta, LayerCache, cpu, paged_attention, paged_attention_ref
 from tierkv.kernels.layer_ops import linear, native_matmul
 
 pytestmark = pytest.mark.cpu_path
@@ -133,8 +133,9 @@ def test_paged_prefill_through_kernel_matches_torch_path():
     ).int()
     cu = torch.tensor([0, 50, 80], dtype=torch.int32)
     q = torch.randn(80, 8, d, generator=g)
-    got = paged_attention(q, kc, vc, tables, lens, cu, pos, 0.125)
-    ref = paged_attention_ref(q, kc, vc, tables, lens, cu, pos, 0.125)
+    cache, meta = LayerCache(kc, vc), AttentionMeta(tables, lens, cu, pos)
+    got = paged_attention(q, cache, meta, 0.125)
+    ref = paged_attention_ref(q, cache, meta, 0.125)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
 
 

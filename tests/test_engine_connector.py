@@ -8,7 +8,7 @@ import torch
 
 from tests.test_hf_match import GREEDY, save_checkpoint
 from tierkv.engine import LLM, KVConnector
-from tierkv.kernels import gather_kv, scatter_kv
+from tierkv.kernels import LayerCache, gather_kv, scatter_kv
 
 pytestmark = pytest.mark.triton_path
 
@@ -57,7 +57,7 @@ class RecordingConnector(KVConnector):
         )
         ids = torch.tensor(block_ids)
         for layer, cache in enumerate(self.caches):
-            gather_kv(cache[0], cache[1], ids, 0, n, seg[layer])
+            gather_kv(LayerCache.of(cache), ids, 0, seg[layer])
         self.store[tuple(request.token_ids[:n])] = seg
         self.saving.add(request.request_id)
         return True  # hold the blocks until get_finished reports the save
@@ -76,11 +76,7 @@ class RecordingConnector(KVConnector):
             key = self._best(seq.token_ids)
             src = self.store[key][layer, :, start : start + count]
             scatter_kv(
-                src.contiguous(),
-                self.caches[layer][0],
-                self.caches[layer][1],
-                torch.tensor(block_ids),
-                start,
+                src.contiguous(), LayerCache.of(self.caches[layer]), torch.tensor(block_ids), start
             )
             self.loaded[seq.request_id] = count
             if self.fail_first_load and layer == 0:

@@ -5,6 +5,7 @@ scatter vs per-token copies. RoPE and fp8: test_kernels_rope_fp8.py."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
 from tierkv.kernels import (
     FP8,
+    LayerCache,
     dequantize_fp8,
     fp8_scales,
     gather_kv,
@@ -34,18 +36,7 @@ def _torch_path(monkeypatch):
 
 
 def run_ref(b: Batch) -> torch.Tensor:
-    return paged_attention_ref(
-        b.q,
-        b.k_cache,
-        b.v_cache,
-        b.block_tables,
-        b.seq_lens,
-        b.cu_seqlens_q,
-        b.q_positions,
-        b.scale,
-        b.k_scale,
-        b.v_scale,
-    )
+    return paged_attention_ref(b.q, b.cache, b.meta, b.scale)
 
 
 def tol(dtype: torch.dtype) -> dict:
@@ -123,44 +114,25 @@ def test_causal_by_position():
     # move it, changing an earlier one must.
     b = make_batch(seed=5, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(48, "sparse")])
     base = run_ref(b)
-    p = int(b.q_positions[0])
+    p = int(b.meta.q_positions[0])
     slots = b.slots_of(0)
-    b.k_cache.view(-1, 2, 64)[slots[p + 1 :]] += 5.0
+    b.cache.k.view(-1, 2, 64)[slots[p + 1 :]] += 5.0
     torch.testing.assert_close(run_ref(b)[0], base[0])
-    b.k_cache.view(-1, 2, 64)[slots[p]] += 5.0
+    b.cache.k.view(-1, 2, 64)[slots[p]] += 5.0
     assert not torch.allclose(run_ref(b)[0], base[0])
 
 
 def test_bad_attention_input_is_an_error():
+    # Shapes and dtypes are checked at dispatch, block ids by the reference's plan.
     b = make_batch(seed=1, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(20, 2)])
-    bt = b.block_tables.clone()
-    bt[0, 0] = b.k_cache.shape[0]
+    bt = b.meta.block_tables.clone()
+    bt[0, 0] = b.cache.k.shape[0]
     with pytest.raises(ValueError, match="outside the cache"):
-        paged_attention_ref(
-            b.q, b.k_cache, b.v_cache, bt, b.seq_lens, b.cu_seqlens_q, b.q_positions, b.scale
-        )
+        paged_attention_ref(b.q, b.cache, replace(b.meta, block_tables=bt), b.scale)
     with pytest.raises(ValueError, match="multiple"):
-        paged_attention_ref(
-            b.q[:, :3],
-            b.k_cache,
-            b.v_cache,
-            b.block_tables,
-            b.seq_lens,
-            b.cu_seqlens_q,
-            b.q_positions,
-            b.scale,
-        )
+        paged_attention(b.q[:, :3], b.cache, b.meta, b.scale)
     with pytest.raises(ValueError, match="fp8"):
-        paged_attention_ref(
-            b.q,
-            b.k_cache.to(FP8),
-            b.v_cache.to(FP8),
-            b.block_tables,
-            b.seq_lens,
-            b.cu_seqlens_q,
-            b.q_positions,
-            b.scale,
-        )
+        paged_attention(b.q, LayerCache(b.cache.k.to(FP8), b.cache.v.to(FP8)), b.meta, b.scale)
 
 
 def test_reference_is_thread_safe():
@@ -194,19 +166,7 @@ def test_dispatch(monkeypatch):
     assert use_triton(x)
     b = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(5, 5)])
     monkeypatch.delenv("TRITON_INTERPRET")
-    torch.testing.assert_close(
-        paged_attention(
-            b.q,
-            b.k_cache,
-            b.v_cache,
-            b.block_tables,
-            b.seq_lens,
-            b.cu_seqlens_q,
-            b.q_positions,
-            b.scale,
-        ),
-        run_ref(b),
-    )
+    torch.testing.assert_close(paged_attention(b.q, b.cache, b.meta, b.scale), run_ref(b))
 
 
 # --- KV write, gather, scatter ------------------------------------------------------------
@@ -225,7 +185,7 @@ def test_write_kv_slots_and_skips():
     kc, vc, _ = cache_pair(8, 4, 2, 16, torch.float32, 0)
     before_k, before_v = kc.clone(), vc.clone()
     k, v = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
-    write_kv(k, v, kc, vc, torch.tensor([5, -1, 31, 0]))
+    write_kv(k, v, LayerCache(kc, vc), torch.tensor([5, -1, 31, 0]))
     flat, was = kc.view(-1, 2, 16), before_k.view(-1, 2, 16)
     for slot, row in ((5, 0), (31, 2), (0, 3)):
         assert torch.equal(flat[slot], k[row]) and torch.equal(vc.view(-1, 2, 16)[slot], v[row])
@@ -233,7 +193,7 @@ def test_write_kv_slots_and_skips():
     untouched[[5, 31, 0]] = False
     assert torch.equal(flat[untouched], was[untouched])
     with pytest.raises(ValueError, match="past the end"):
-        write_kv(k, v, kc, vc, torch.tensor([1, 2, 3, 32]))
+        write_kv(k, v, LayerCache(kc, vc), torch.tensor([1, 2, 3, 32]))
     assert torch.equal(kc.view(-1, 2, 16)[1], before_k.view(-1, 2, 16)[1])  # nothing written
     del before_v
 
@@ -243,7 +203,7 @@ def test_write_kv_fp8_quantizes():
     vc = torch.zeros_like(kc)
     sc = torch.tensor([0.01, 0.02])
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    write_kv(k, v, kc, vc, torch.tensor([0, 7, 9]), sc, sc * 2)
+    write_kv(k, v, LayerCache(kc, vc, sc, sc * 2), torch.tensor([0, 7, 9]))
     assert torch.equal(
         kc.view(-1, 2, 16)[7].view(torch.uint8), quantize_fp8(k[1], sc).view(torch.uint8)
     )
@@ -251,7 +211,7 @@ def test_write_kv_fp8_quantizes():
         vc.view(-1, 2, 16)[9].view(torch.uint8), quantize_fp8(v[2], sc * 2).view(torch.uint8)
     )
     with pytest.raises(ValueError, match="scale"):
-        write_kv(k, v, kc, vc, torch.tensor([0, 1, 2]))
+        write_kv(k, v, LayerCache(kc, vc), torch.tensor([0, 1, 2]))
 
 
 @settings(max_examples=30, deadline=None)
@@ -271,7 +231,7 @@ def test_gather_scatter_property(start, length, dtype, seed):
     ks, vs = (sc[0], sc[1]) if sc is not None else (None, None)
     out = torch.empty(2, length, h, d, dtype=dtype)
     out_sc = torch.zeros(2, h) if dtype == FP8 else None
-    gather_kv(kc, vc, bids, start, length, out, ks, vs, out_sc)
+    gather_kv(LayerCache(kc, vc, ks, vs), bids, start, out, out_sc)
     for t in range(length):
         slot = int(bids[(start + t) // bs]) * bs + (start + t) % bs
         assert torch.equal(out[0, t].view(torch.uint8), kc.view(-1, h, d)[slot].view(torch.uint8))
@@ -279,11 +239,10 @@ def test_gather_scatter_property(start, length, dtype, seed):
     # Scatter into a fresh cache at other blocks, then gather back: the same bytes.
     kc2, vc2, _ = cache_pair(nb, bs, h, d, dtype, seed + 1)
     bids2 = bids.flip(0).contiguous()
-    scatter_kv(out, kc2, vc2, bids2, start, ks, vs, out_sc)
+    cache2 = LayerCache(kc2, vc2, ks, vs)
+    scatter_kv(out, cache2, bids2, start, out_sc)
     back = torch.empty_like(out)
-    gather_kv(
-        kc2, vc2, bids2, start, length, back, ks, vs, torch.zeros(2, h) if dtype == FP8 else None
-    )
+    gather_kv(cache2, bids2, start, back, torch.zeros(2, h) if dtype == FP8 else None)
     assert torch.equal(back.view(torch.uint8), out.view(torch.uint8))
 
 
@@ -292,45 +251,41 @@ def test_bf16_cache_to_fp8_segment_and_back():
     bids = torch.tensor([4, 1, 3], dtype=torch.int32)
     seg = torch.empty(2, 40, 2, 64, dtype=FP8)
     seg_sc = torch.zeros(2, 2)
-    gather_kv(kc, vc, bids, 3, 40, seg, out_scales=seg_sc)
+    gather_kv(LayerCache(kc, vc), bids, 3, seg, out_scales=seg_sc)
     exact = torch.empty(2, 40, 2, 64, dtype=torch.bfloat16)
-    gather_kv(kc, vc, bids, 3, 40, exact)
+    gather_kv(LayerCache(kc, vc), bids, 3, exact)
     torch.testing.assert_close(seg_sc, fp8_scales(exact.float(), 0, 2))
     torch.testing.assert_close(
         dequantize_fp8(seg[0], seg_sc[0]), exact[0].float(), atol=0.02, rtol=2**-4
     )
-    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
-    scatter_kv(seg, kc2, vc2, bids, 3, src_scales=seg_sc)
+    cache2 = LayerCache(torch.zeros_like(kc), torch.zeros_like(vc))
+    scatter_kv(seg, cache2, bids, 3, src_scales=seg_sc)
     back = torch.empty_like(exact)
-    gather_kv(kc2, vc2, bids, 3, 40, back)
+    gather_kv(cache2, bids, 3, back)
     torch.testing.assert_close(back.float(), exact.float(), atol=0.02, rtol=2**-4)
 
 
 def test_gather_scatter_layers_and_errors():
     layers = [torch.randn(2, 6, 4, 2, 8) for _ in range(3)]
+    caches = [LayerCache.of(c) for c in layers]
     bids = torch.tensor([5, 0, 2], dtype=torch.int32)
     out = torch.empty(3, 2, 9, 2, 8)
-    gather_kv_layers(layers, bids, 2, 9, out)
-    for i, c in enumerate(layers):
+    gather_kv_layers(caches, bids, 2, out)
+    for i, c in enumerate(caches):
         one = torch.empty(2, 9, 2, 8)
-        gather_kv(c[0], c[1], bids, 2, 9, one)
+        gather_kv(c, bids, 2, one)
         assert torch.equal(out[i], one)
     fresh = [torch.zeros_like(c) for c in layers]
-    scatter_kv_layers(out, fresh, bids, 2)
+    fresh_caches = [LayerCache.of(c) for c in fresh]
+    scatter_kv_layers(out, fresh_caches, bids, 2)
     again = torch.empty_like(out)
-    gather_kv_layers(fresh, bids, 2, 9, again)
+    gather_kv_layers(fresh_caches, bids, 2, again)
     assert torch.equal(again, out)
     snapshot = [c.clone() for c in fresh]
     with pytest.raises(ValueError, match="exceed"):
-        scatter_kv_layers(torch.ones(3, 2, 20, 2, 8), fresh, bids, 2)
+        scatter_kv_layers(torch.ones(3, 2, 20, 2, 8), fresh_caches, bids, 2)
     with pytest.raises(ValueError, match="outside"):
-        scatter_kv(
-            torch.ones(2, 4, 2, 8),
-            fresh[0][0],
-            fresh[0][1],
-            torch.tensor([9], dtype=torch.int32),
-            0,
-        )
+        scatter_kv(torch.ones(2, 4, 2, 8), fresh_caches[0], torch.tensor([9], dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="segment"):
-        gather_kv_layers(layers, bids, 0, 4, torch.empty(2, 2, 4, 2, 8))
+        gather_kv_layers(caches, bids, 0, torch.empty(2, 2, 4, 2, 8))
     assert all(torch.equal(a, b) for a, b in zip(fresh, snapshot))

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tierkv.kernels import FP8, dequantize_fp8, fp8_scales, quantize_fp8
+from tierkv.kernels import (
+    FP8,
+    AttentionMeta,
+    LayerCache,
+    dequantize_fp8,
+    fp8_scales,
+    quantize_fp8,
+)
 
 BLOCK = 16
 PAD = 10**6  # block-table padding: any read of it would fault or fail the range check
@@ -18,20 +25,14 @@ PAD = 10**6  # block-table padding: any read of it would fault or fail the range
 @dataclass(slots=True)
 class Batch:
     q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    q_positions: torch.Tensor
+    cache: LayerCache
+    meta: AttentionMeta
     scale: float
-    k_scale: torch.Tensor | None
-    v_scale: torch.Tensor | None
     blocks: list[list[int]]
     positions: list[list[int]]
 
     def slots_of(self, b: int) -> torch.Tensor:
-        n = int(self.seq_lens[b])
+        n = int(self.meta.seq_lens[b])
         t = torch.arange(n)
         return torch.tensor(self.blocks[b], dtype=torch.long)[t // BLOCK] * BLOCK + t % BLOCK
 
@@ -90,15 +91,14 @@ def make_batch(
     nq = int(cu[-1])
     return Batch(
         q=torch.randn(nq, hq, d, generator=g).to(dtype),
-        k_cache=k,
-        v_cache=v,
-        block_tables=bt,
-        seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32),
-        cu_seqlens_q=cu,
-        q_positions=torch.tensor(sum(positions, []), dtype=torch.int32),
+        cache=LayerCache(k, v, k_scale, v_scale),
+        meta=AttentionMeta(
+            bt,
+            torch.tensor([n for n, _ in seqs], dtype=torch.int32),
+            cu,
+            torch.tensor(sum(positions, []), dtype=torch.int32),
+        ),
         scale=d**-0.5,
-        k_scale=k_scale,
-        v_scale=v_scale,
         blocks=blocks,
         positions=positions,
     )
@@ -114,13 +114,16 @@ def _dense_kv(
 def dense_attention(b: Batch) -> torch.Tensor:
     """Plain attention per sequence in fp32 over its gathered KV."""
     out = torch.zeros(b.q.shape, dtype=torch.float32)
-    hq, hkv = b.q.shape[1], b.k_cache.shape[2]
+    hq, hkv = b.q.shape[1], b.cache.k.shape[2]
     for i, pos in enumerate(b.positions):
-        s, e, n = int(b.cu_seqlens_q[i]), int(b.cu_seqlens_q[i + 1]), int(b.seq_lens[i])
+        cu, lens = b.meta.cu_seqlens_q, b.meta.seq_lens
+        s, e, n = int(cu[i]), int(cu[i + 1]), int(lens[i])
         if s == e or n == 0:
             continue
-        k = _dense_kv(b.k_cache, b.k_scale, b.blocks[i], n).repeat_interleave(hq // hkv, 1)
-        v = _dense_kv(b.v_cache, b.v_scale, b.blocks[i], n).repeat_interleave(hq // hkv, 1)
+        k, v = (
+            _dense_kv(c, sc, b.blocks[i], n).repeat_interleave(hq // hkv, 1)
+            for c, sc in b.cache.sides()
+        )
         mask = torch.arange(n)[None, :] <= torch.tensor(pos)[:, None]
         o = F.scaled_dot_product_attention(
             b.q[s:e].float().transpose(0, 1),

@@ -42,6 +42,7 @@ else:
 from tests.test_kernels_cases import Batch, dense_attention, make_batch
 from tierkv.kernels import (
     FP8,
+    LayerCache,
     RotaryEmbedding,
     gather_kv,
     gather_kv_layers,
@@ -52,10 +53,11 @@ from tierkv.kernels import (
     scatter_kv_layers,
     write_kv,
 )
+from tierkv.kernels.attention_launch import choose_splits
 from tierkv.kernels.fp8 import quantize_fp8_ref
 from tierkv.kernels.ref_kv import gather_kv_ref, scatter_kv_ref, write_kv_ref
 from tierkv.kernels.rope import rotate
-from tierkv.kernels.triton_attention import choose_splits, paged_attention_triton
+from tierkv.kernels.triton_attention import paged_attention_triton
 
 assert triton.__version__
 MIXED = [(0, 0), (1, 1), (37, 37), (150, 1), (70, 20), (33, 0), (90, "sparse")]
@@ -68,18 +70,7 @@ def _interpret(monkeypatch):
 
 
 def both(b: Batch, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (
-        b.q,
-        b.k_cache,
-        b.v_cache,
-        b.block_tables,
-        b.seq_lens,
-        b.cu_seqlens_q,
-        b.q_positions,
-        b.scale,
-        b.k_scale,
-        b.v_scale,
-    )
+    args = (b.q, b.cache, b.meta, b.scale)
     return paged_attention_triton(*args, **kw), paged_attention_ref(*args)
 
 
@@ -136,7 +127,7 @@ def test_split_choice():
 
 def test_attention_checks_block_ids():
     b = make_batch(seed=2, hq=4, hkv=2, d=64, dtype=torch.float32, seqs=[(40, 2)])
-    b.block_tables[0, 1] = -1
+    b.meta.block_tables[0, 1] = -1
     with pytest.raises(ValueError, match="outside the cache"):
         both(b)
 
@@ -144,13 +135,18 @@ def test_attention_checks_block_ids():
 # --- KV movement --------------------------------------------------------------------------
 
 
-def caches(dtype: torch.dtype, seed: int, nb: int = 10, bs: int = 16, h: int = 2, d: int = 64):
+def caches(
+    dtype: torch.dtype, seed: int, nb: int = 10, bs: int = 16, h: int = 2, d: int = 64
+) -> tuple[LayerCache, LayerCache]:
+    """A random cache and a copy of it."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(nb, bs, h, d, generator=g), torch.randn(nb, bs, h, d, generator=g)
     if dtype == FP8:
         sc = torch.tensor([[0.004, 0.007], [0.006, 0.003]])[:, :h]
-        return quantize_fp8_ref(k, sc[0]), quantize_fp8_ref(v, sc[1]), sc[0], sc[1]
-    return k.to(dtype), v.to(dtype), None, None
+        c = LayerCache(quantize_fp8_ref(k, sc[0]), quantize_fp8_ref(v, sc[1]), sc[0], sc[1])
+    else:
+        c = LayerCache(k.to(dtype), v.to(dtype))
+    return c, LayerCache(c.k.clone(), c.v.clone(), c.k_scale, c.v_scale)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -162,15 +158,14 @@ def same(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
 def test_write_kv(cache_dtype):
-    kc, vc, ks, vs = caches(cache_dtype, 1)
-    kc2, vc2 = kc.clone(), vc.clone()
+    c, c2 = caches(cache_dtype, 1)
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(9, 2, 64, generator=g) * 2, torch.randn(9, 2, 64, generator=g)
     slots = torch.tensor([3, -1, 17, 40, 159, 5, 16, -7, 100])
-    write_kv(k, v, kc, vc, slots, ks, vs)
-    write_kv_ref(k, v, kc2, vc2, slots, ks, vs)
-    same(kc, kc2)
-    same(vc, vc2)
+    write_kv(k, v, c, slots)
+    write_kv_ref(k, v, c2, slots)
+    same(c.k, c2.k)
+    same(c.v, c2.v)
 
 
 PAIRS = [
@@ -182,22 +177,21 @@ PAIRS = [
 
 @pytest.mark.parametrize("cache_dtype,seg_dtype", PAIRS)
 def test_gather_scatter(cache_dtype, seg_dtype):
-    kc, vc, ks, vs = caches(cache_dtype, 3)
+    c, c2 = caches(cache_dtype, 3)
     bids = torch.tensor([7, 2, 9, 0, 4], dtype=torch.int32)
     out, want = (
         torch.empty(2, 45, 2, 64, dtype=seg_dtype),
         torch.empty(2, 45, 2, 64, dtype=seg_dtype),
     )
     sc, want_sc = torch.zeros(2, 2), torch.zeros(2, 2)
-    gather_kv(kc, vc, bids, 13, 45, out, ks, vs, sc)
-    gather_kv_ref(kc, vc, bids, 13, 45, want, ks, vs, want_sc)
+    gather_kv(c, bids, 13, out, sc)
+    gather_kv_ref(c, bids, 13, want, want_sc)
     torch.testing.assert_close(sc, want_sc, atol=0, rtol=0)
     same(out, want)
-    kc2, vc2 = kc.clone(), vc.clone()
-    scatter_kv(want, kc, vc, bids.flip(0).contiguous(), 20, ks, vs, want_sc)
-    scatter_kv_ref(want, kc2, vc2, bids.flip(0).contiguous(), 20, ks, vs, want_sc)
-    same(kc, kc2)
-    same(vc, vc2)
+    scatter_kv(want, c, bids.flip(0).contiguous(), 20, want_sc)
+    scatter_kv_ref(want, c2, bids.flip(0).contiguous(), 20, want_sc)
+    same(c.k, c2.k)
+    same(c.v, c2.v)
 
 
 def test_layers_roundtrip():
@@ -205,9 +199,9 @@ def test_layers_roundtrip():
     bids = torch.tensor([6, 1, 3], dtype=torch.int32)
     seg = torch.empty(2, 2, 40, 2, 64, dtype=FP8)
     seg_sc = torch.zeros(2, 2, 2)
-    gather_kv_layers(layers, bids, 5, 40, seg, out_scales=seg_sc)
+    gather_kv_layers([LayerCache.of(c) for c in layers], bids, 5, seg, out_scales=seg_sc)
     fresh = [torch.zeros_like(c) for c in layers]
-    scatter_kv_layers(seg, fresh, bids, 5, src_scales=seg_sc)
+    scatter_kv_layers(seg, [LayerCache.of(c) for c in fresh], bids, 5, src_scales=seg_sc)
     for a, b in zip(layers, fresh):
         slots = bids.long()[torch.arange(5, 45) // 16] * 16 + torch.arange(5, 45) % 16
         torch.testing.assert_close(
