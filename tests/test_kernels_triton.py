@@ -24,18 +24,21 @@ import os
 import pytest
 import torch
 
+# `make gpu-check` sets TIERKV_TEST_DEVICE=cuda: the same tests, compiled, on the GPU.
+GPU = os.environ.get("TIERKV_TEST_DEVICE") == "cuda"
 _prev = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, i.e. at import
+if not GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, i.e. at import
 import triton  # a hard dependency of this file: no skip
 from triton.runtime.interpreter import InterpretedFunction
 
 from tierkv.kernels import triton_attention, triton_fp8, triton_kv, triton_rope
 
 for _m in (triton_attention, triton_kv, triton_rope, triton_fp8):
-    if not any(isinstance(v, InterpretedFunction) for v in vars(_m).values()):
-        importlib.reload(_m)  # imported earlier without the interpreter
+    if GPU != (not any(isinstance(v, InterpretedFunction) for v in vars(_m).values())):
+        importlib.reload(_m)  # imported earlier in the other mode
 if _prev is None:
-    del os.environ["TRITON_INTERPRET"]
+    os.environ.pop("TRITON_INTERPRET", None)
 else:
     os.environ["TRITON_INTERPRET"] = _prev
 
@@ -65,8 +68,15 @@ EDGES = [(16, [0, 15]), (33, [16, 31, 32]), (17, [16]), (40, [39, 0, 20])]
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _mode(monkeypatch):
+    if not GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        yield
+        return
+    assert torch.cuda.is_available(), "TIERKV_TEST_DEVICE=cuda needs CUDA"
+    torch.set_default_device("cuda")  # every tensor the cases make lands on the GPU
+    yield
+    torch.set_default_device(None)
 
 
 def both(b: Batch, **kw) -> tuple[torch.Tensor, torch.Tensor]:
