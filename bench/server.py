@@ -30,9 +30,9 @@ from bench.common import goal, parser, print_table, write_results
 from tests.services import RedisProcess, ServerProcess
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.data_client import DataTier
-from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.sizes import MiB
 
 HDR = struct.Struct("<cQ")  # op (b"G" or b"P"), length
 

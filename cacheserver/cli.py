@@ -19,8 +19,8 @@ import grpc
 
 from tierkv.cacheserver import config as cfg
 from tierkv.cacheserver.server import Server
-from tierkv.storage_backends.base import format_size
 from tierkv.storage_backends.build import build_tiers
+from tierkv.storage_backends.sizes import format_size
 from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.server")

@@ -17,8 +17,9 @@ from typing import Any
 
 import yaml
 
-from tierkv.storage_backends.base import MiB, check_namespace, parse_size
 from tierkv.storage_backends.build import TiersConfig
+from tierkv.storage_backends.names import check_namespace
+from tierkv.storage_backends.sizes import MiB, parse_size
 
 
 class ConfigError(ValueError):

@@ -31,7 +31,7 @@ from tierkv.cacheserver.data_session import (
 )
 from tierkv.cacheserver.shm import MAX_KEYS, Region
 from tierkv.proto import tierkv_pb2 as pb
-from tierkv.storage_backends.base import check_key, check_namespace
+from tierkv.storage_backends.names import check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 from tierkv.storage_backends.stream import LayerSink
 

@@ -30,9 +30,11 @@ from tierkv.cacheserver.shm import (
     Region,
     pack,
 )
-from tierkv.storage_backends.base import KEY_NBYTES, IndexedTier, MiB
 from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.indexed_tier import IndexedTier
+from tierkv.storage_backends.names import KEY_NBYTES
 from tierkv.storage_backends.segment import KVSegment, SegmentError
+from tierkv.storage_backends.sizes import MiB
 from tierkv.storage_backends.store import TieredStore
 
 

@@ -41,7 +41,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-from tierkv.storage_backends.base import invariant
+from tierkv.storage_backends.invariants import invariant
 
 ALIGN = 4096  # ranges start on page boundaries
 # Requests: op, count, body bytes. Replies: status, count, body bytes.

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierkv.storage_backends.base import DEFAULT_NAMESPACE, Tier, check_namespace, parse_size
 from tierkv.storage_backends.build import REDIS_SCHEMES, TiersConfig, build_tiers
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_namespace
+from tierkv.storage_backends.sizes import parse_size
 from tierkv.storage_backends.store import StoreConfig, TieredStore
+from tierkv.storage_backends.tier import Tier
 
 SERVER_SCHEMES = ("grpc://", "grpcs://")
 REMOTE_SCHEMES = SERVER_SCHEMES + REDIS_SCHEMES

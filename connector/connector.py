@@ -28,11 +28,11 @@ from tierkv.connector.requests import model_fingerprint, record_lookup, request_
 from tierkv.connector.transfer import Layout, LoadJob, book, run_saves, scatter_layer
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding, gather_kv
-from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.keys import ChunkHasher, Salt
 from tierkv.storage_backends.segment import VERSION, dtype_name
 from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.tier import Tier
 
 log = logging.getLogger("tierkv.connector")
 

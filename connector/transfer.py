@@ -20,10 +20,10 @@ import torch
 
 from tierkv.connector.plan import ConnectorStats, LoadPlan, SavePlan
 from tierkv.kernels import RotaryEmbedding, rerotate_k, scatter_kv
-from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.tier import Tier
 
 log = logging.getLogger("tierkv.connector")
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierkv.storage_backends.base import Tier, parse_size
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.storage_backends.sizes import parse_size
+from tierkv.storage_backends.tier import Tier
 
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "unix://")
 

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
-from tierkv.storage_backends.base import IndexedTier, SegmentLayer, parse_size
 from tierkv.storage_backends.buffers import clone_to, with_payload
+from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.sizes import parse_size
+from tierkv.storage_backends.tier import SegmentLayer
 
 
 @dataclass(slots=True)

@@ -8,19 +8,13 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from tierkv.storage_backends.base import (
-    DEFAULT_NAMESPACE,
-    Hold,
-    SegmentLayer,
-    Tier,
-    TierStats,
-    check_key,
-    check_namespace,
-    check_put,
-)
 from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
+from tierkv.storage_backends.leases import Hold
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace, check_put
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.stats import TierStats
 from tierkv.storage_backends.stream import Keep, LayerSink, Merge
+from tierkv.storage_backends.tier import SegmentLayer, Tier
 
 log = logging.getLogger(__name__)
 

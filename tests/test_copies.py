@@ -13,9 +13,9 @@ from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.data_client import DataTier
 from tierkv.cacheserver.server import Server
-from tierkv.storage_backends.base import DEFAULT_NAMESPACE as NS
 from tierkv.storage_backends.copies import copied, counting
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE as NS
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import StoreConfig, TieredStore
 

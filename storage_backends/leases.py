@@ -1,0 +1,79 @@
+"""Leases: a reader holds a segment against eviction until it releases it or the lease's TTL
+runs out, so a lost lease cannot leak."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Hold(Protocol):
+    """What Tier.lease returns: it holds until released (by release() or the end of a `with`
+    block) or until its TTL runs out."""
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    async def __aenter__(self) -> object: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+
+@dataclass(slots=True)
+class Lease:
+    """Holds (ns, key) against eviction until released or until `expires` (monotonic seconds)."""
+
+    leases: Leases
+    ident: tuple[str, bytes]
+    expires: float
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.leases.drop(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(slots=True)
+class Leases:
+    """The leases of one tier. A lease ends by itself after its TTL, so a lost one cannot leak."""
+
+    active: dict[tuple[str, bytes], list[Lease]] = field(default_factory=dict)
+
+    def take(self, ns: str, key: bytes, ttl: float) -> Lease:
+        lease = Lease(self, (ns, key), time.monotonic() + ttl)
+        self.active.setdefault(lease.ident, []).append(lease)
+        return lease
+
+    def drop(self, lease: Lease) -> None:
+        held = self.active.get(lease.ident)
+        if held and lease in held:
+            held.remove(lease)
+            if not held:
+                del self.active[lease.ident]
+
+    def held(self, ns: str, key: bytes) -> bool:
+        held = self.active.get((ns, key))
+        if not held:
+            return False
+        now = time.monotonic()
+        held[:] = [x for x in held if x.expires > now]
+        if not held:
+            del self.active[(ns, key)]
+        return bool(held)
