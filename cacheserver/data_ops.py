@@ -103,7 +103,7 @@ async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, b
         return FULL, 0, b"", ""
     region.map[off : off + len(raw)] = raw
     copied("shm.copy_in", len(raw))
-    return off, len(raw), seg.header().encode(), where
+    return off, len(raw), seg.full_header().encode(), where
 
 
 async def get_inline(
@@ -119,7 +119,7 @@ async def get_inline(
             counts.count_get(s.ns, "", 0)
             await conn.sendall(REPLY.pack(0, 0, 0))
             continue
-        head = seg.header().encode()
+        head = seg.full_header().encode()
         raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
         await conn.sendall(REPLY.pack(0, len(raw), len(head)) + head)
         await conn.sendall(raw)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
+from tierkv.storage_backends.buffers import clone_to, copy_into
 from tierkv.storage_backends.leases import Hold
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace, check_put
 from tierkv.storage_backends.segment import KVSegment
@@ -180,11 +180,8 @@ class TieredStore(Tier):
             # when tiers[0] refused it, keeps a private copy.
             src: KVSegment | None = segment
             if not segment.owned:
-                src = (
-                    None
-                    if ok
-                    else with_payload(segment, clone_to(segment.payload, segment.payload.device))
-                )
+                payload = segment.payload
+                src = None if ok else KVSegment(segment.header, clone_to(payload, payload.device))
             ok = self._enqueue(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
         return ok
 

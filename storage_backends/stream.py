@@ -124,7 +124,7 @@ def _found(seg: KVSegment | None | BaseException, key: bytes) -> SegmentHeader |
         return f"tier error: {seg!r}"
     if seg is None:
         return "miss"
-    return seg.header() if seg.key == key else "the tier answered another key"
+    return seg.full_header() if seg.key == key else "the tier answered another key"
 
 
 def open_all(sink: LayerSink, found: Sequence[SegmentHeader | str | None]) -> list[int]:

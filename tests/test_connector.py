@@ -227,7 +227,11 @@ class FaultTier(CpuTier):
             return dataclasses.replace(seg, payload=payload)
         other = (seg.tokens + 1) % CFG["vocab_size"]  # valid checksums, other tokens
         return type(seg).from_tensor(
-            seg.payload, key=seg.key, parent=seg.parent, tokens=other, fingerprint=seg.fingerprint
+            seg.payload,
+            key=seg.key,
+            parent=seg.header.parent,
+            tokens=other,
+            fingerprint=seg.header.fingerprint,
         )
 
     async def stream(self, keys, ns, sink):

@@ -41,7 +41,7 @@ def with_version(value: bytes, version: int) -> bytes:
     )
 
 
-HN = segment(0).header().header_nbytes
+HN = segment(0).header.header_nbytes
 CORRUPTIONS = {  # what is placed instead of a good value
     "payload flip": lambda v: flip(v, len(v) - 7),
     "header flip": lambda v: flip(v, 100),
@@ -118,8 +118,8 @@ async def test_corrupt_files_are_dropped_when_the_server_restarts() -> None:
 
 def foreign(value: bytes, how: str) -> bytes:
     """A valid segment under the same key, parent and tokens, but not ours to inject."""
-    s = KVSegment.decode(value)
-    kv = s.payload.clone()
+    seg = KVSegment.decode(value)
+    s, kv = seg.header, seg.payload.clone()
     kw = dict(key=s.key, parent=s.parent, tokens=s.tokens, base_position=s.base_position)
     if how == "other model":
         return bytes(
