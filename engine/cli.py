@@ -123,6 +123,7 @@ def make_connector(args):
     from tierkv.connector import (
         ConnectorConfig,
         TierKVConnector,
+        TiersConfig,
     )  # the engine runs without it otherwise
 
     server = args.cache_server
@@ -130,8 +131,7 @@ def make_connector(args):
     return TierKVConnector(
         ConnectorConfig(
             chunk_size=args.chunk_size,
-            cpu_bytes=args.cpu_cache,
-            disk_dir=args.disk_cache,
+            tiers=TiersConfig(cpu_bytes=args.cpu_cache, disk_dir=args.disk_cache),
             remote=remote,
             token=args.token,
         )

@@ -14,6 +14,7 @@ from tests.services import RedisProcess, ServerProcess
 from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.header import PREFIX, checksum
 from tierkv.storage_backends.segment import KVSegment
 
@@ -152,7 +153,7 @@ def test_foreign_segments_under_our_keys_are_never_injected(
     redis_proc: RedisProcess, how: str
 ) -> None:
     cold = engine().generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids
-    cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url)
+    cfg = ConnectorConfig(chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes=0), remote=redis_proc.url)
     writer = TierKVConnector(cfg)
     r = redis.Redis(port=redis_proc.port)
     try:
