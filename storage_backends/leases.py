@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self
 
 
 class Hold(Protocol):
@@ -23,8 +23,29 @@ class Hold(Protocol):
     async def __aexit__(self, *exc: object) -> None: ...
 
 
+class Releasing:
+    """A Hold's `with` and `async with`, around its release()."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 @dataclass(slots=True)
-class Lease:
+class Lease(Releasing):
     """Holds (ns, key) against eviction until released or until `expires` (monotonic seconds)."""
 
     leases: Leases
@@ -36,18 +57,6 @@ class Lease:
         if not self.released:
             self.released = True
             self.leases.drop(self)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
 
 @dataclass(slots=True)
@@ -77,3 +86,14 @@ class Leases:
         if not held:
             del self.active[(ns, key)]
         return bool(held)
+
+
+@dataclass(slots=True)
+class LeaseGroup(Releasing):
+    """A lease on every tier of a store at once."""
+
+    parts: list[Hold]
+
+    def release(self) -> None:
+        for p in self.parts:
+            p.release()
