@@ -186,7 +186,7 @@ class Soak:
                 want = flat(self.segs[key].payload)
                 have = (
                     flat(got.payload)
-                    if got.payload.shape == SHAPE and got.dtype == "float16"
+                    if got.payload.shape == SHAPE and got.header.dtype == "float16"
                     else None
                 )
                 t.wrong_bytes += want.numel() if have is None else int((have != want).sum())

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from tierkv.storage_backends.segment import KVSegment
+if TYPE_CHECKING:
+    from tierkv.storage_backends.segment import KVSegment
 
 DEFAULT_NAMESPACE = "default"
 KEY_NBYTES = 16  # a key is an xxh3_128 digest
