@@ -17,8 +17,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
 def connector_config(extra: dict[str, Any] | None) -> ConnectorConfig:
-    """The ConnectorConfig of kv_connector_extra_config: its keys are ConnectorConfig's fields,
-    with the same meaning; an unknown key is a ValueError that names the known ones."""
+    """The ConnectorConfig of kv_connector_extra_config: its keys are ConnectorConfig's knobs
+    (its fields, the tier knobs flat), with the same meaning; an unknown key is a ValueError
+    that names the known ones."""
     extra = dict(extra or {})
     known = [f.name for f in ConnectorConfig.knobs()]
     unknown = sorted(set(extra) - set(known))
