@@ -22,6 +22,7 @@ from bench.common import add_model_arg, goal, parser, print_table, write_results
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
+from tierkv.storage_backends.build import TiersConfig
 
 RATIOS = [0.0, 0.05, 0.15, 0.3, 0.5, 1.0]
 
@@ -73,7 +74,7 @@ def ttft_rows(
     layers: int, queries: int, docs: list[list[int]], question: list[int], bar
 ) -> list[dict]:
     model = cfg(layers)
-    conn = TierKVConnector(ConnectorConfig(cpu_bytes="2GiB"))
+    conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB")))
     full, prefix, blend = make(model), make(model, prefix=True), make(model, conn)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     blend.ingest(docs)
@@ -123,7 +124,7 @@ def ttft_rows(
 def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
     model = cfg(8)
     g = torch.Generator().manual_seed(11)
-    conn = TierKVConnector(ConnectorConfig(cpu_bytes="2GiB"))
+    conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB")))
     full, blend = make(model), make(model, conn)
     full_rec, blend_rec = Recorder(full), Recorder(blend)
     rows = []

@@ -23,6 +23,7 @@ from bench.models import bench_model
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams, gguf_loader
 from tierkv.engine.models import pull
+from tierkv.storage_backends.build import TiersConfig
 
 MODULES = ["json", "shutil", "heapq", "bisect", "textwrap", "fractions", "statistics", "secrets"]
 MODULES += ["base64", "fnmatch", "glob", "difflib", "zlib", "calendar", "colorsys", "uuid"]
@@ -96,7 +97,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     system = tok.encode(SYSTEM, add_special_tokens=False)
     greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     full = LLM(model.source, dtype="bf16", kv_cache_bytes=256 << 20, enable_prefix_caching=False)
-    conn = TierKVConnector(ConnectorConfig(chunk_size=64, cpu_bytes="2GiB"))
+    conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="2GiB")))
     blend = LLM(model.source, dtype="bf16", kv_cache_bytes=256 << 20, kv_connector=conn)
     full_rec, blend_rec = FirstLogits(full), FirstLogits(blend)
     variants = [("k", 1, 0, r) for r in ratios] + [

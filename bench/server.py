@@ -30,9 +30,9 @@ from bench.common import goal, parser, print_table, write_results
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.dataplane.client import DataTier
 from tierkv.cacheserver.launch import RedisProcess, ServerProcess
-from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.sizes import MiB
 
 HDR = struct.Struct("<cQ")  # op (b"G" or b"P"), length
 
@@ -121,9 +121,9 @@ async def bench_tierkv(
 
     async def put(c: int, r: int) -> None:
         s = KVSegment.from_tensor(
-            seg.payload, key=keys[(c, r)], tokens=seg.tokens, fingerprint=seg.fingerprint
+            seg.payload, key=keys[(c, r)], tokens=seg.tokens, fingerprint=seg.header.fingerprint
         )
-        s.checksums = seg.checksums  # same payload: skip recomputing
+        s.header.checksums = seg.compute_checksums()  # same payload: skip recomputing
         assert await tiers[c].put(s.key, s)
 
     outs = [
@@ -171,7 +171,7 @@ async def bench_stream(target: str, seg: KVSegment, n: int, repeat: int, path: s
     keys = [(i + 90000).to_bytes(16, "little") for i in range(n)]
     for k in keys:
         s = KVSegment.from_tensor(
-            seg.payload, key=k, tokens=seg.tokens, fingerprint=seg.fingerprint
+            seg.payload, key=k, tokens=seg.tokens, fingerprint=seg.header.fingerprint
         )
         assert await t.put(k, s)
     sink = Staging([torch.empty_like(seg.payload) for _ in keys], seg.layer(0).nbytes)

@@ -36,9 +36,9 @@ from bench.common import goal, parser, print_table, write_results
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.dataplane.client import DataTier
 from tierkv.cacheserver.launch import RedisProcess, ServerProcess
-from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.sizes import MiB
 
 CLIENTS, SLOTS = 8, 64  # each client owns SLOTS keys: 512 x 128 KiB = 64 MiB, over the cpu tier
 SHAPE = (4, 2, 64, 2, 64)  # fp16: 128 KiB per segment
@@ -186,7 +186,7 @@ class Soak:
                 want = flat(self.segs[key].payload)
                 have = (
                     flat(got.payload)
-                    if got.payload.shape == SHAPE and got.dtype == "float16"
+                    if got.payload.shape == SHAPE and got.header.dtype == "float16"
                     else None
                 )
                 t.wrong_bytes += want.numel() if have is None else int((have != want).sum())

@@ -21,11 +21,11 @@ import torch
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from tierkv.storage_backends.base import MiB
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.sizes import MiB
 
 L, H, D = 8, 2, 64  # the bench model's KV shape: 8 layers, 2 KV heads, head_dim 64, bf16
 TOKEN_BYTES = L * 2 * H * D * 2

@@ -30,6 +30,7 @@ from bench.models import BenchModel, bench_model
 from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
@@ -100,16 +101,26 @@ def main() -> None:
         readers = {
             "cpu": writer,
             "server-shm": TierKVConnector(
-                ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=remote)
+                ConnectorConfig(chunk_size=chunk, tiers=TiersConfig(cpu_bytes=0), remote=remote)
             ),
             "server-tcp": TierKVConnector(
-                ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=remote, shared_memory=False)
+                ConnectorConfig(
+                    chunk_size=chunk,
+                    tiers=TiersConfig(cpu_bytes=0),
+                    remote=remote,
+                    shared_memory=False,
+                )
             ),
             "server-grpc": TierKVConnector(
-                ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=remote, data_plane=False)
+                ConnectorConfig(
+                    chunk_size=chunk,
+                    tiers=TiersConfig(cpu_bytes=0),
+                    remote=remote,
+                    data_plane=False,
+                )
             ),
             "redis": TierKVConnector(
-                ConnectorConfig(chunk_size=chunk, cpu_bytes=0, remote=redis.url)
+                ConnectorConfig(chunk_size=chunk, tiers=TiersConfig(cpu_bytes=0), remote=redis.url)
             ),
         }
         engines = {"cold": llm(cfg), "prefix": llm(cfg, prefix=True), "writer": llm(cfg, writer)}
@@ -135,7 +146,8 @@ def main() -> None:
                 readers.pop("disk").close()
             readers["disk"] = TierKVConnector(
                 ConnectorConfig(
-                    chunk_size=chunk, cpu_bytes=0, disk_dir=tmp / "disk", disk_bytes="4GiB"
+                    chunk_size=chunk,
+                    tiers=TiersConfig(cpu_bytes=0, disk_dir=tmp / "disk", disk_bytes="4GiB"),
                 )
             )
             engines["disk"] = llm(cfg, readers["disk"])
@@ -170,8 +182,12 @@ def main() -> None:
         # Alternate them so that the machine's load hits all alike; medians of the rounds. The
         # local saver keeps everything in this process; the remote one also feeds tierkv-server,
         # which shares this machine's two cores with the engine.
-        local = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB"))
-        shared = TierKVConnector(ConnectorConfig(chunk_size=chunk, cpu_bytes="1GiB", remote=remote))
+        local = TierKVConnector(
+            ConnectorConfig(chunk_size=chunk, tiers=TiersConfig(cpu_bytes="1GiB"))
+        )
+        shared = TierKVConnector(
+            ConnectorConfig(chunk_size=chunk, tiers=TiersConfig(cpu_bytes="1GiB"), remote=remote)
+        )
         rounds = [
             (
                 decode_speed(model, None, 4, 64),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierkv.storage_backends.base import DEFAULT_NAMESPACE
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE
 
 
 @dataclass(slots=True)

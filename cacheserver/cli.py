@@ -19,8 +19,8 @@ import grpc
 
 from tierkv.cacheserver import config as cfg
 from tierkv.cacheserver.server import Server
-from tierkv.storage_backends.base import format_size
 from tierkv.storage_backends.build import build_tiers
+from tierkv.storage_backends.sizes import format_size
 from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.server")
@@ -28,7 +28,7 @@ log = logging.getLogger("tierkv.server")
 
 def build_store(c: cfg.ServerConfig) -> TieredStore:
     """cpu and disk under cache_dir (each unless its size is 0), then Redis when a URL is set."""
-    tiers = build_tiers(c.tiers())
+    tiers = build_tiers(c.tier_config())
     if not tiers:
         raise cfg.ConfigError("no tiers: set cpu_bytes, disk_bytes or redis_url")
     return TieredStore(tiers)

@@ -29,16 +29,11 @@ from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.frames import Assembly, put_wire
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
-from tierkv.storage_backends.base import (
-    DEFAULT_NAMESPACE,
-    BaseTier,
-    MiB,
-    SegmentLayer,
-    check_key,
-    check_namespace,
-)
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
+from tierkv.storage_backends.sizes import MiB
 from tierkv.storage_backends.stream import LayerSink, stream_whole
+from tierkv.storage_backends.tier import BaseTier, SegmentLayer
 
 log = logging.getLogger("tierkv.remote")
 LOOKUP_BATCH = 1024  # keys per Lookup call in contains()

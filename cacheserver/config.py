@@ -1,9 +1,9 @@
 """Server configuration: flags over TIERKV_* environment variables over a YAML file.
 
 Every knob is a field of ServerConfig with its meaning beside it; the tier knobs (cpu_bytes,
-disk_bytes, redis_*) are those of storage_backends.build.TiersConfig, with the same meaning.
-Sizes accept human units (`512MiB`, `8GiB`, `1.5GB`, plain bytes; storage_backends'
-parse_size); tokens map bearer tokens to namespaces.
+disk_bytes, redis_*) are those of its embedded storage_backends.build.TiersConfig, under their
+flat names here too. Sizes accept human units (`512MiB`, `8GiB`, `1.5GB`, plain bytes;
+storage_backends' parse_size); tokens map bearer tokens to namespaces.
 """
 
 from __future__ import annotations
@@ -11,18 +11,20 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tierkv.storage_backends.base import MiB, check_namespace, parse_size
-from tierkv.storage_backends.build import TiersConfig
+from tierkv.storage_backends.build import ConfigError, TiersConfig, flat_fields, nest
+from tierkv.storage_backends.names import check_namespace
+from tierkv.storage_backends.sizes import MiB, parse_size
 
+__all__ = ["ConfigError", "ServerConfig", "add_arguments", "knobs", "load", "parse_tokens"]
 
-class ConfigError(ValueError):
-    """A configuration value is malformed; the message names the knob."""
+# Tier knobs a server does not take: it has no gpu tier, and its disk tier is in cache_dir.
+NOT_SERVER_KNOBS = ("gpu_bytes", "disk_dir")
 
 
 def _size(value: str | int, knob: str) -> int:
@@ -58,13 +60,9 @@ class ServerConfig:
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 only when asked
     port: int = 50051  # gRPC port (0: pick a free one, printed at start)
     cache_dir: str = "~/.cache/tierkv"  # the server's directory; the disk tier is its disk/
-    # The tiers (see TiersConfig for each knob's full meaning): a size of 0 leaves that tier out.
-    cpu_bytes: int = 1 << 30  # cpu tier: its one host buffer, allocated at start
-    disk_bytes: int = 16 << 30  # disk tier: most bytes of segment files under cache_dir/disk
-    redis_url: str = ""  # redis tier: redis://, rediss:// or redis+cluster:// URL ("": none)
-    redis_cluster: bool = False  # redis tier: Redis Cluster client (also by redis+cluster://)
-    redis_ttl_s: int = 0  # redis tier: expiry of each value in seconds (0: none)
-    redis_timeout_s: float = 1.0  # redis tier: per-command timeout; a timeout is a miss
+    # The tiers (each knob is documented in TiersConfig): a size of 0 leaves that tier out;
+    # the disk tier lives in cache_dir/disk unless tiers.disk_dir says otherwise.
+    tiers: TiersConfig = field(default_factory=TiersConfig)
     tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> ns; empty: no auth
     tls_cert: str = ""  # PEM certificate; with tls_key turns TLS on
     tls_key: str = ""  # PEM private key
@@ -113,10 +111,6 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.grace_s < 0:
             raise ConfigError("grace_s must be >= 0")
-        try:
-            self.tiers()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
     @property
     def cache_path(self) -> Path:
@@ -130,27 +124,16 @@ class ServerConfig:
             return self.cache_path / f"data-{port}.sock"
         return Path(self.data_socket).expanduser()
 
-    def tiers(self) -> TiersConfig:
-        """The tier knobs, for storage_backends.build.build_tiers: the disk tier lives in
-        cache_dir/disk."""
-        return TiersConfig(
-            cpu_bytes=self.cpu_bytes,
-            disk_dir=self.cache_path / "disk",
-            disk_bytes=self.disk_bytes,
-            redis_url=self.redis_url or None,
-            redis_cluster=self.redis_cluster,
-            redis_ttl_s=self.redis_ttl_s,
-            redis_timeout_s=self.redis_timeout_s,
-        )
+    def tier_config(self) -> TiersConfig:
+        """The tiers to build (storage_backends.build.build_tiers), the disk tier in place."""
+        return replace(self.tiers, disk_dir=self.tiers.disk_dir or self.cache_path / "disk")
 
     @property
     def auth(self) -> bool:
         return bool(self.tokens)
 
 
-_SIZES = {
-    "cpu_bytes",
-    "disk_bytes",
+_SIZES = {  # the tier sizes are TiersConfig's to convert
     "max_segment_bytes",
     "max_frame_bytes",
     "max_inflight_bytes",
@@ -158,8 +141,13 @@ _SIZES = {
 }
 
 
-def _coerce(name: str, raw: Any) -> Any:
-    kind = {f.name: f.type for f in fields(ServerConfig)}[name]
+def knobs() -> list[Field]:
+    """The server's knobs, flat: the names of YAML keys, TIERKV_* variables and flags."""
+    return flat_fields(ServerConfig, NOT_SERVER_KNOBS)
+
+
+def _coerce(knob: Field, raw: Any) -> Any:
+    name, kind = knob.name, knob.type
     try:
         if name in _SIZES:
             return _size(raw, name)
@@ -185,7 +173,7 @@ def _coerce(name: str, raw: Any) -> Any:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One --flag per knob (default None, so unset flags fall back to env and YAML)."""
     p.add_argument("--config", help="YAML file with any of the knobs below")
-    for f in fields(ServerConfig):
+    for f in knobs():
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
             p.add_argument(flag, action="store_const", const=True, default=None)
@@ -207,13 +195,13 @@ def load(
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: expected a mapping of knobs")
         values.update(doc)
-    names = [f.name for f in fields(ServerConfig)]
-    for name in names:
+    known = {f.name: f for f in knobs()}
+    for name in known:
         if f"TIERKV_{name.upper()}" in env:
             values[name] = env[f"TIERKV_{name.upper()}"]
         if args is not None and getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
-    unknown = set(values) - set(names)
+    unknown = set(values) - set(known)
     if unknown:
         raise ConfigError(f"unknown config keys: {sorted(unknown)}")
-    return ServerConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    return ServerConfig(**nest({k: _coerce(known[k], v) for k, v in values.items()}))

@@ -19,10 +19,11 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from tierkv.cacheserver import wire
 from tierkv.cacheserver.wire import Corrupt
 from tierkv.proto import tierkv_pb2 as pb
-from tierkv.storage_backends.base import KEY_NBYTES, MiB
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.names import KEY_NBYTES
 from tierkv.storage_backends.segment import KVSegment, SegmentError, SegmentHeader, decode_layer
+from tierkv.storage_backends.sizes import MiB
 
 
 class BadRequest(Exception):

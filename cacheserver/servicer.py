@@ -25,9 +25,9 @@ from tierkv.cacheserver.metrics import Metrics
 from tierkv.cacheserver.receive import Inflight, PutLimits, receive_put
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
-from tierkv.storage_backends.base import SegmentLayer
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.tier import SegmentLayer
 
 
 @dataclass(slots=True)

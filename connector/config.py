@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, replace
+from typing import Any
 
-from tierkv.storage_backends.base import DEFAULT_NAMESPACE, Tier, check_namespace, parse_size
-from tierkv.storage_backends.build import REDIS_SCHEMES, TiersConfig, build_tiers
+from tierkv.storage_backends.build import (
+    REDIS_SCHEMES,
+    TiersConfig,
+    build_tiers,
+    flat_fields,
+    nest,
+)
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_namespace
+from tierkv.storage_backends.sizes import parse_size
 from tierkv.storage_backends.store import StoreConfig, TieredStore
+from tierkv.storage_backends.tier import Tier
 
 SERVER_SCHEMES = ("grpc://", "grpcs://")
 REMOTE_SCHEMES = SERVER_SCHEMES + REDIS_SCHEMES
@@ -16,11 +25,9 @@ REMOTE_SCHEMES = SERVER_SCHEMES + REDIS_SCHEMES
 @dataclass(slots=True)
 class ConnectorConfig:
     chunk_size: int = 256  # tokens per stored chunk; a multiple of the engine's block size
-    # The local tiers: the knobs of storage_backends.build.TiersConfig, with the same meaning.
-    gpu_bytes: int | str = 0  # gpu tier: KV bytes kept on the engine's device; 0 = none
-    cpu_bytes: int | str = "1GiB"  # cpu tier: its one preallocated host buffer; 0 = none
-    disk_dir: str | Path | None = None  # disk tier: directory of its files; None = none
-    disk_bytes: int | str = "16GiB"  # disk tier: most bytes of files in disk_dir; 0 = none
+    # The local tiers (gpu, cpu, disk), and the knobs of the Redis tier when remote names Redis
+    # (its URL is remote's, never tiers.redis_url); each knob is documented in TiersConfig.
+    tiers: TiersConfig = field(default_factory=TiersConfig)
     # The shared tier: grpc://host:port (grpcs:// with TLS) for tierkv-server, redis://,
     # rediss:// or redis+cluster:// for Redis directly (TiersConfig.redis_url); None = local
     # tiers only.
@@ -49,8 +56,6 @@ class ConnectorConfig:
     shared_memory: bool = True  # with data_plane, a server on this host over shared memory
 
     def __post_init__(self) -> None:
-        self.gpu_bytes, self.cpu_bytes = parse_size(self.gpu_bytes), parse_size(self.cpu_bytes)
-        self.disk_bytes = parse_size(self.disk_bytes)
         self.staging_bytes = parse_size(self.staging_bytes)
         check_namespace(self.namespace)
         if self.chunk_size < 1:
@@ -61,22 +66,28 @@ class ConnectorConfig:
             raise ValueError(f"remote must start with one of {REMOTE_SCHEMES}, got {self.remote!r}")
         if self.max_pending_saves < 1:
             raise ValueError("max_pending_saves must be >= 1")
+        if self.tiers.redis_url:
+            raise ValueError("the connector's Redis is named by remote (redis://...)")
 
-    def tiers(self) -> TiersConfig:
-        """The knobs of the tiers storage_backends builds: the local ones, and Redis when
-        remote names it."""
+    @staticmethod
+    def knobs() -> list[Field]:
+        """The connector's knobs, flat (`cpu_bytes`, not `tiers.cpu_bytes`): the keys of a
+        dict of knobs such as vLLM's kv_connector_extra_config."""
+        return flat_fields(ConnectorConfig, ("redis_url",))
+
+    @staticmethod
+    def of(knobs: Mapping[str, Any]) -> ConnectorConfig:
+        """The config of a dict of flat knobs (see knobs())."""
+        return ConnectorConfig(**nest(knobs))
+
+    def tier_config(self) -> TiersConfig:
+        """The tiers storage_backends builds: the local ones, and Redis when remote names it."""
         redis = self.remote if self.remote and self.remote.startswith(REDIS_SCHEMES) else None
-        return TiersConfig(
-            gpu_bytes=self.gpu_bytes,
-            cpu_bytes=self.cpu_bytes,
-            disk_dir=self.disk_dir,
-            disk_bytes=self.disk_bytes,
-            redis_url=redis,
-        )
+        return replace(self.tiers, redis_url=redis)
 
     def build_tiers(self) -> list[Tier]:
         """The local tiers (fastest first), then the shared one."""
-        tiers = build_tiers(self.tiers())
+        tiers = build_tiers(self.tier_config())
         if self.remote is not None and self.remote.startswith(SERVER_SCHEMES):
             tiers.append(
                 server_tier(

@@ -28,10 +28,10 @@ from tierkv.connector.worker import WorkerCore
 from tierkv.engine.blend_step import blending
 from tierkv.engine.kv_connector import ConnectorRequest, ConnectorStep, KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding
-from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.keys import ChunkHasher, Salt
 from tierkv.storage_backends.segment import VERSION, dtype_name
 from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.tier import Tier
 
 log = logging.getLogger("tierkv.connector")
 

@@ -21,9 +21,9 @@ import torch
 
 from tierkv.connector.plan import ConnectorStats
 from tierkv.connector.transfer import Layout, LoadJob, Scatter, why_unusable
-from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.tier import Tier
 
 log = logging.getLogger("tierkv.connector")
 

@@ -84,11 +84,9 @@ class PagedKV(ABC):
         """Write layer's K/V of segs[i], the verified segments of job.plans[i], into its blocks."""
 
 
-def why_unusable(
-    seg: KVSegment | SegmentHeader, plan: LoadPlan, i: int, layout: Layout
-) -> str | None:
-    """Why seg (or the segment a header announces) cannot be injected as chunk i of plan, or
-    None when it can."""
+def why_unusable(seg: SegmentHeader, plan: LoadPlan, i: int, layout: Layout) -> str | None:
+    """Why the segment a header announces cannot be injected as chunk i of plan, or None when
+    it can."""
     c = plan.chunks[i]
     if seg.key != c.key or seg.parent != c.parent:
         return "key or parent differs"
@@ -126,14 +124,14 @@ def scatter_layer(
             if hi <= lo:
                 continue
             part = seg.layer(layer)[:, lo - c.start : hi - c.start]
-            if plan.rotate and c.start != seg.base_position:  # R(p + d) = R(d) R(p)
+            if plan.rotate and c.start != seg.header.base_position:  # R(p + d) = R(d) R(p)
                 if rope is None:
                     raise ValueError("re-rotating a reused segment needs the model's rope")
                 part = torch.stack(
-                    [rerotate_k(part[0], c.start - seg.base_position, rope), part[1]]
+                    [rerotate_k(part[0], c.start - seg.header.base_position, rope), part[1]]
                 )
-            if seg.scales is not None:  # fp8 chunks carry their own scales: one scatter each
-                scales = torch.from_numpy(seg.scales[layer])
+            if seg.header.scales is not None:  # fp8 chunks carry their own scales: one scatter each
+                scales = torch.from_numpy(seg.header.scales[layer])
                 scatter_kv(part, cache, plan.block_ids, lo, scales)
                 copied("connector.scatter", part.numel() * part.element_size())
             else:

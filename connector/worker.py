@@ -24,9 +24,9 @@ from tierkv.connector.loading import StagingPool, run_load
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan
 from tierkv.connector.transfer import LoadJob, PagedKV
-from tierkv.storage_backends.base import Tier
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.tier import Tier
 
 log = logging.getLogger("tierkv.connector")
 

@@ -18,8 +18,9 @@ from tierkv.engine.models import MODELS, pull
 from tierkv.engine.outputs import RequestOutput
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
-from tierkv.storage_backends.base import parse_size as size
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.knobs import knob_default, knob_help
+from tierkv.storage_backends.sizes import parse_size as size
 
 
 def engine_options() -> argparse.ArgumentParser:
@@ -80,8 +81,8 @@ def engine_options() -> argparse.ArgumentParser:
     )
     c.add_argument("--remote", help=knob_help(cc, "remote"))
     c.add_argument("--token", help=knob_help(cc, "token"))
-    c.add_argument("--cpu-cache", default="1GiB", help=knob_help(cc, "cpu_bytes"))
-    c.add_argument("--disk-cache", default=None, help=knob_help(cc, "disk_dir"))
+    c.add_argument("--cpu-cache", default="1GiB", help=knob_help(TiersConfig, "cpu_bytes"))
+    c.add_argument("--disk-cache", default=None, help=knob_help(TiersConfig, "disk_dir"))
     c.add_argument(
         "--chunk-size",
         type=int,
@@ -173,18 +174,14 @@ def read_segment(path: str, ids: bool):
 def make_connector(args):
     if not (args.kv_connector or args.cache_server or args.remote):
         return None
-    from tierkv.connector import (
-        ConnectorConfig,
-        TierKVConnector,
-    )  # the engine runs without it otherwise
+    from tierkv.connector import TierKVConnector  # loaded only when asked for
 
     server = args.cache_server
     remote = (server if "://" in server else f"grpc://{server}") if server else args.remote
     return TierKVConnector(
         ConnectorConfig(
             chunk_size=args.chunk_size,
-            cpu_bytes=args.cpu_cache,
-            disk_dir=args.disk_cache,
+            tiers=TiersConfig(cpu_bytes=args.cpu_cache, disk_dir=args.disk_cache),
             remote=remote,
             token=args.token,
         )

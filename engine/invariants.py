@@ -7,7 +7,8 @@ import os
 
 class InvariantError(RuntimeError):
     """The engine's bookkeeping (queues, blocks, prefix tree) no longer adds up: a bug. The
-    storage tiers raise their own (storage_backends.base): the engine imports nothing of theirs."""
+    storage tiers raise their own (storage_backends.invariants): the engine imports nothing
+    of theirs."""
 
 
 def invariant(ok: bool, what: str) -> None:

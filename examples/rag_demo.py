@@ -37,6 +37,7 @@ from examples.rag_docs import MODULES, QUESTION_A, QUESTIONS, Corpus, Question
 if TYPE_CHECKING:
     from tierkv.connector import TierKVConnector
     from tierkv.engine import LLM, PromptPart, RequestOutput
+    from tierkv.storage_backends.build import TiersConfig
 
 DTYPE, MAX_TOKENS, CHUNK, BLEND = "fp32", 48, 64, 0.15
 WAYS = ("full prefill", "prefix only", f"blend {BLEND}", "blend 1.0")
@@ -56,7 +57,9 @@ def engine(target: str | None) -> tuple[LLM, TierKVConnector | None]:
     conn = None
     if target:
         conn = TierKVConnector(
-            ConnectorConfig(chunk_size=CHUNK, cpu_bytes="256MiB", remote=f"grpc://{target}")
+            ConnectorConfig(
+                chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes="256MiB"), remote=f"grpc://{target}"
+            )
         )
     llm = LLM(
         str(pull("smollm2", progress=False)),

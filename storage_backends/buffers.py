@@ -67,7 +67,7 @@ def copy_into(seg: KVSegment, out: Any) -> KVSegment:
     else:
         mv[:] = (src.cpu() if src.device.type != "cpu" else src).numpy().data
         dst = torch.frombuffer(mv, dtype=torch.uint8)
-    return with_payload(seg, dst.view(seg.payload.dtype).view(seg.payload.shape))
+    return KVSegment(seg.header, dst.view(seg.payload.dtype).view(seg.payload.shape))
 
 
 def clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -80,23 +80,3 @@ def clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     copied("buffers.copy", src.numel())
     out.reshape(-1).view(torch.uint8).numpy().data[:] = src.numpy().data
     return out
-
-
-def with_payload(seg: KVSegment, payload: torch.Tensor) -> KVSegment:
-    return KVSegment(
-        seg.key,
-        seg.parent,
-        seg.tokens,
-        seg.fingerprint,
-        seg.num_layers,
-        seg.num_tokens,
-        seg.num_kv_heads,
-        seg.head_dim,
-        seg.dtype,
-        seg.quant,
-        seg.scales,
-        seg.base_position,
-        seg.codec,
-        payload,
-        seg.checksums,
-    )

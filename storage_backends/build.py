@@ -1,23 +1,32 @@
 """TiersConfig and build_tiers: the one way the cache server and the connector make their tiers.
 
-Each knob means the same wherever it appears (the server's ServerConfig and the
-connector's ConnectorConfig carry the same names and pass them here). The remote tier
-(the cache server's gRPC client) is not built here: storage_backends does not know the
-cache server; the connector appends it.
+The server's ServerConfig and the connector's ConnectorConfig each embed one TiersConfig as
+`tiers`; in YAML, TIERKV_* variables, flags and vLLM's extra config its knobs keep their flat
+names (`cpu_bytes`, not `tiers.cpu_bytes`): flat_fields and nest map between the two. The
+remote tier (the cache server's gRPC client) is not built here: storage_backends does not
+know the cache server; the connector appends it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from tierkv.storage_backends.base import Tier, parse_size
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
+from tierkv.storage_backends.sizes import parse_size
+from tierkv.storage_backends.tier import Tier
 
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "unix://")
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed; the message names the knob."""
 
 
 @dataclass(slots=True)
@@ -52,19 +61,42 @@ class TiersConfig:
             try:
                 setattr(self, name, parse_size(getattr(self, name)))
             except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+                raise ConfigError(f"{name}: {e}") from None
         if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
-            raise ValueError(
+            raise ConfigError(
                 f"redis_url must start with one of {REDIS_SCHEMES}, got {self.redis_url!r}"
             )
         if self.redis_ttl_s < 0 or self.redis_timeout_s <= 0:
-            raise ValueError("redis_ttl_s must be >= 0 and redis_timeout_s > 0")
+            raise ConfigError("redis_ttl_s must be >= 0 and redis_timeout_s > 0")
+
+
+TIER_KNOBS = frozenset(f.name for f in dataclasses.fields(TiersConfig))
+
+
+def flat_fields(config: type, skip: Collection[str] = ()) -> list[dataclasses.Field]:
+    """The knobs of a config class that embeds a TiersConfig as `tiers`, flat and in order:
+    its own fields, with `tiers` replaced by the tier knobs not in skip."""
+    out: list[dataclasses.Field] = []
+    for f in dataclasses.fields(config):
+        if f.name == "tiers":
+            out += [t for t in dataclasses.fields(TiersConfig) if t.name not in skip]
+        else:
+            out.append(f)
+    return out
+
+
+def nest(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat knobs -> the keyword arguments of such a config: the tier knobs gathered into
+    tiers=TiersConfig(...)."""
+    own = {k: v for k, v in values.items() if k not in TIER_KNOBS}
+    tiers = {k: v for k, v in values.items() if k in TIER_KNOBS}
+    return {**own, "tiers": TiersConfig(**tiers)} if tiers else own
 
 
 def build_tiers(c: TiersConfig) -> list[Tier]:
     """The tiers c asks for, fastest first; an empty list when it asks for none."""
     tiers: list[Tier] = []
-    gpu, cpu, disk = parse_size(c.gpu_bytes), parse_size(c.cpu_bytes), parse_size(c.disk_bytes)
+    gpu, cpu, disk = int(c.gpu_bytes), int(c.cpu_bytes), int(c.disk_bytes)
     if gpu:
         tiers.append(GpuTier(GpuTierConfig(capacity_bytes=gpu)))
     if cpu:

@@ -8,17 +8,11 @@ from typing import Any
 
 import torch
 
-from tierkv.storage_backends.base import (
-    IndexedTier,
-    InvariantError,
-    SegmentLayer,
-    check_key,
-    check_namespace,
-    invariant,
-    parse_size,
-)
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.indexed_tier import IndexedTier
+from tierkv.storage_backends.invariants import InvariantError, invariant
+from tierkv.storage_backends.names import check_key, check_namespace
 from tierkv.storage_backends.pages import PageAllocator, runs
 from tierkv.storage_backends.segment import (
     KVSegment,
@@ -28,7 +22,9 @@ from tierkv.storage_backends.segment import (
     decode_layer,
     decode_layer_bytes,
 )
+from tierkv.storage_backends.sizes import parse_size
 from tierkv.storage_backends.stream import LayerSink, open_all, reader_checks
+from tierkv.storage_backends.tier import SegmentLayer
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tierkv.storage_backends.base import check_key, check_namespace
+from tierkv.storage_backends.names import check_key, check_namespace
 from tierkv.storage_backends.segment import (
     SegmentError,
     SegmentHeader,

@@ -13,14 +13,10 @@ from typing import Any
 
 import aiofiles
 
-from tierkv.storage_backends.base import (
-    IndexedTier,
-    SegmentLayer,
-    check_namespace,
-    parse_size,
-)
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.disk_stream import stream_files
+from tierkv.storage_backends.indexed_tier import IndexedTier
+from tierkv.storage_backends.names import check_namespace
 from tierkv.storage_backends.segment import (
     PREFIX_NBYTES,
     KVSegment,
@@ -36,7 +32,9 @@ from tierkv.storage_backends.segment_files import (
     read_cached,
     read_header,
 )
+from tierkv.storage_backends.sizes import parse_size
 from tierkv.storage_backends.stream import LayerSink
+from tierkv.storage_backends.tier import SegmentLayer
 
 _NAME = re.compile(r"[0-9a-f]{32}\.tkv")
 

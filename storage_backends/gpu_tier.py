@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tierkv.storage_backends.base import IndexedTier, SegmentLayer, parse_size
-from tierkv.storage_backends.buffers import clone_to, with_payload
+from tierkv.storage_backends.buffers import clone_to
+from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.sizes import parse_size
+from tierkv.storage_backends.tier import SegmentLayer
 
 
 @dataclass(slots=True)
@@ -50,7 +53,7 @@ class GpuTier(IndexedTier[KVSegment]):
         seg = self.index.get((ns, key))
         if seg is None:
             return
-        h = seg.header()  # codec none: a layer's encoded bytes are its raw bytes
+        h = seg.full_header()  # codec none: a layer's encoded bytes are its raw bytes
         for i in range(seg.num_layers):
             data = seg.payload[i].reshape(-1).view(torch.uint8).cpu().numpy().data
             yield SegmentLayer(h, i, data)
@@ -64,8 +67,8 @@ class GpuTier(IndexedTier[KVSegment]):
         except (RuntimeError, MemoryError):  # out of device memory is a refused put, not a crash
             self._stats.errors += 1
             return None
-        stored = with_payload(segment, payload)
-        stored.codec = "none"  # device tensors are raw; a codec applies on the way to slower tiers
+        # device tensors are raw; a codec applies on the way to slower tiers
+        stored = KVSegment(dataclasses.replace(segment.header, codec="none"), payload)
         self._add(ns, key, stored)
         return n
 

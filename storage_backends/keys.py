@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from tierkv.storage_backends.base import KEY_NBYTES, check_namespace
+from tierkv.storage_backends.names import KEY_NBYTES, check_namespace
 
 
 def _field(s: str) -> bytes:

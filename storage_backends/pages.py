@@ -6,7 +6,7 @@ import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from tierkv.storage_backends.base import invariant
+from tierkv.storage_backends.invariants import invariant
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tierkv.storage_backends.base import check_key, check_namespace
+from tierkv.storage_backends.names import check_key, check_namespace
 from tierkv.storage_backends.segment import SegmentError, SegmentHeader, decode_layer_bytes
 from tierkv.storage_backends.stream import LayerSink, open_all
 

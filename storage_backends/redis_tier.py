@@ -25,13 +25,7 @@ from redis.exceptions import ClusterDownError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tierkv.storage_backends.base import (
-    DEFAULT_NAMESPACE,
-    BaseTier,
-    SegmentLayer,
-    TierStats,
-    check_namespace,
-)
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_namespace
 from tierkv.storage_backends.redis_stream import stream_values
 from tierkv.storage_backends.segment import (
     PREFIX_NBYTES,
@@ -40,7 +34,9 @@ from tierkv.storage_backends.segment import (
     SegmentHeader,
     decode_layer,
 )
+from tierkv.storage_backends.stats import TierStats
 from tierkv.storage_backends.stream import LayerSink
+from tierkv.storage_backends.tier import BaseTier, SegmentLayer
 
 log = logging.getLogger("tierkv.redis")
 # Redis unreachable or too slow: these start a backoff. Other RedisErrors are one refused call.

@@ -1,32 +1,33 @@
 """KV segments: the one encoding of a chunk's KV, in memory, in files, in Redis, on the wire.
 
-The byte format is in storage_backends/header.py. A segment is its header plus a layer-major
-payload [num_layers, 2, num_tokens, num_kv_heads, head_dim]; codecs none (default), lz4, and
-shuffle+lz4 (byte planes of each element, then lz4) apply per layer.
+The byte format and its header are in header.py, the per-layer codecs in codec.py. A segment
+is one SegmentHeader plus a layer-major payload [num_layers, 2, num_tokens, num_kv_heads,
+head_dim].
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from dataclasses import dataclass
 
-import lz4.block
 import numpy as np
 import torch
 
+from tierkv.storage_backends.codec import (
+    DTYPES,
+    bytes_of,
+    decode_layer,
+    decode_layer_bytes,
+    dtype_name,
+    encode_layer,
+    frombuffer,
+)
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import (
-    ALIGN,
     CODECS,
     DTYPE_NAMES,
-    FIXED,
-    ITEMSIZE,
-    LAYER,
-    MAGIC,
     MAX_DIM,
-    PREFIX,
     PREFIX_NBYTES,
-    QUANTS,
     VERSION,
     SegmentError,
     SegmentHeader,
@@ -35,110 +36,43 @@ from tierkv.storage_backends.header import (
 )
 
 __all__ = [
-    "ALIGN",
     "CODECS",
     "DTYPES",
-    "DTYPE_NAMES",
-    "FIXED",
-    "ITEMSIZE",
-    "LAYER",
-    "MAGIC",
-    "MAX_DIM",
-    "PREFIX",
     "PREFIX_NBYTES",
-    "QUANTS",
     "VERSION",
     "KVSegment",
     "SegmentError",
     "SegmentHeader",
     "checksum",
     "decode_layer",
+    "decode_layer_bytes",
     "dtype_name",
-    "header_nbytes_for",
 ]
 
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
-_NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+
+def layout(header_nbytes: int, lengths: list[int]) -> list[tuple[int, int]]:
+    """(offset in the encoded segment, length) of layers of these lengths, back to back."""
+    offsets = np.cumsum([0] + lengths[:-1]) + header_nbytes
+    return [(int(o), n) for o, n in zip(offsets, lengths)]
 
 
-def dtype_name(dtype: torch.dtype) -> str | None:
-    """The segment dtype name of a torch dtype (torch's own name), None when no segment holds it."""
-    return _NAME_OF.get(dtype)
-
-
-def _frombuffer(buf, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
-    if not memoryview(buf).readonly:
-        return torch.frombuffer(buf, dtype=dtype, offset=offset, count=count)
-    with warnings.catch_warnings():  # read-only bytes are fine: tiers never write through views
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buf, dtype=dtype, offset=offset, count=count)
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """Raw bytes of a contiguous CPU tensor, without a copy."""
-    return t.reshape(-1).view(torch.uint8).numpy().data
-
-
-def _encode_layer(raw: memoryview, codec: str, itemsize: int):
-    if codec == "none":
-        return raw
-    if codec == "shuffle+lz4":
-        raw = np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T).data
-    return lz4.block.compress(raw, store_size=False)
-
-
-def decode_layer_bytes(h: SegmentHeader, i: int, data) -> memoryview:
-    """Layer i's encoded bytes decoded and checked against its checksum (SegmentError if not)."""
-    raw_n = h.layer_raw_nbytes
-    data = memoryview(data).cast("B")
-    if len(data) != h.layers[i][1]:
-        raise SegmentError(f"layer {i}: got {len(data)} bytes, header says {h.layers[i][1]}")
-    if h.codec != "none":
-        try:
-            out = lz4.block.decompress(data, uncompressed_size=raw_n)
-        except lz4.block.LZ4BlockError as e:
-            raise SegmentError(f"layer {i}: lz4 data is corrupt ({e})") from None
-        if len(out) != raw_n:
-            raise SegmentError(f"layer {i}: decompressed {len(out)} bytes, expected {raw_n}")
-        if h.codec == "shuffle+lz4":
-            size = DTYPES[h.dtype].itemsize
-            out = np.ascontiguousarray(np.frombuffer(out, np.uint8).reshape(size, -1).T).tobytes()
-        data = memoryview(out)
-    if checksum(data) != h.checksums[i]:
-        raise SegmentError(f"layer {i}: checksum mismatch")
-    return data
-
-
-def decode_layer(header: SegmentHeader, i: int, data) -> torch.Tensor:
-    """Check and decode one layer's encoded bytes into a [2, T, H, D] tensor (a view for codec
-    none)."""
-    if not 0 <= i < header.num_layers:
-        raise SegmentError(f"layer {i} out of range [0, {header.num_layers})")
-    raw = decode_layer_bytes(header, i, data)
-    n = header.layer_raw_nbytes // DTYPES[header.dtype].itemsize
-    return _frombuffer(raw, DTYPES[header.dtype], 0, n).view(header.layer_shape)
+def raw_layout(h: SegmentHeader) -> list[tuple[int, int]]:
+    return layout(h.header_nbytes, [h.layer_raw_nbytes] * h.num_layers)
 
 
 @dataclass(slots=True)
 class KVSegment:
-    """A chunk's KV plus what a reader must check before using it. payload is [L, 2, T, H, D]."""
+    """A chunk's KV, payload [L, 2, T, H, D], and its header: what a reader must check before
+    using it.
 
-    key: bytes
-    parent: bytes
-    tokens: np.ndarray
-    fingerprint: bytes
-    num_layers: int
-    num_tokens: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    quant: str
-    scales: np.ndarray | None
-    base_position: int
-    codec: str
+    The header describes the payload encoded raw (layers back to back at their raw length);
+    its codec is what a writer applies to each layer. Its checksums are of each layer's raw
+    bytes; empty until computed (compute_checksums) for a segment made from a tensor.
+    """
+
+    header: SegmentHeader
     payload: torch.Tensor
-    checksums: list[int] | None = None  # of each layer's raw bytes; None until computed
-    # True when this payload's bytes were checked against `checksums` as they entered this
+    # True when this payload's bytes were checked against the checksums as they entered this
     # process (a tier reading from disk, Redis or a server): a reader need not check again.
     verified: bool = False
     # True when the caller hands the payload over: nothing writes it after a put, so a store
@@ -196,65 +130,65 @@ class KVSegment:
             sc = None
         if max(L, T, H, D) > MAX_DIM:
             raise SegmentError(f"shape {tuple(kv.shape)} too large")
-        return KVSegment(
-            key,
-            parent,
-            tok.astype(np.int32),
-            bytes(fingerprint),
-            L,
-            T,
-            H,
-            D,
-            dtype,
-            quant,
-            sc,
-            int(base_position),
-            codec,
-            kv.contiguous(),
+        fp = bytes(fingerprint)
+        h = SegmentHeader(
+            key=key,
+            parent=parent,
+            num_layers=L,
+            num_tokens=T,
+            num_kv_heads=H,
+            head_dim=D,
+            base_position=int(base_position),
+            dtype=dtype,
+            quant=quant,
+            codec=codec,
+            fingerprint=fp,
+            tokens=tok.astype(np.int32),
+            scales=sc,
+            layers=[],
+            checksums=[],
+            header_nbytes=header_nbytes_for(L, T, H, len(fp), quant),
         )
+        h.layers = raw_layout(h)
+        return KVSegment(h, kv.contiguous())
 
-    def header(self, lengths: list[int] | None = None) -> SegmentHeader:
-        hn = header_nbytes_for(
-            self.num_layers, self.num_tokens, self.num_kv_heads, len(self.fingerprint), self.quant
-        )
-        raw = 2 * self.num_tokens * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
-        lengths = lengths or [raw] * self.num_layers
-        offs = np.cumsum([0] + lengths[:-1]) + hn
-        return SegmentHeader(
-            self.key,
-            self.parent,
-            self.num_layers,
-            self.num_tokens,
-            self.num_kv_heads,
-            self.head_dim,
-            self.base_position,
-            self.dtype,
-            self.quant,
-            self.codec,
-            self.fingerprint,
-            self.tokens,
-            self.scales,
-            [(int(o), n) for o, n in zip(offs, lengths)],
-            self.compute_checksums(),
-            hn,
-        )
+    @property
+    def key(self) -> bytes:
+        return self.header.key
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.header.tokens
+
+    @property
+    def num_layers(self) -> int:
+        return self.header.num_layers
 
     def compute_checksums(self) -> list[int]:
-        if self.checksums is None:
-            self.checksums = [checksum(self._raw_layer(i)) for i in range(self.num_layers)]
-        return self.checksums
+        """Each layer's checksum, computed on first use (into a header of this segment's own:
+        a header may be shared)."""
+        if not self.header.checksums:
+            sums = [checksum(self._raw_layer(i)) for i in range(self.num_layers)]
+            self.header = dataclasses.replace(self.header, checksums=sums)
+        return self.header.checksums
+
+    def full_header(self) -> SegmentHeader:
+        """The header with every layer's checksum: what a writer sends."""
+        self.compute_checksums()
+        return self.header
 
     def _raw_layer(self, i: int) -> memoryview:
-        return _bytes_of(self.payload[i].cpu())
+        return bytes_of(self.payload[i].cpu())
 
     def encode_parts(self) -> tuple[SegmentHeader, bytes, list]:
         """(header, header bytes, each layer's encoded bytes): lets a writer stream without a
         join."""
-        size = DTYPES[self.dtype].itemsize
-        blobs = [
-            _encode_layer(self._raw_layer(i), self.codec, size) for i in range(self.num_layers)
-        ]
-        h = self.header([len(memoryview(b).cast("B")) for b in blobs])
+        h = self.full_header()
+        size = DTYPES[h.dtype].itemsize
+        blobs = [encode_layer(self._raw_layer(i), h.codec, size) for i in range(h.num_layers)]
+        if h.codec != "none":
+            lengths = [len(memoryview(b).cast("B")) for b in blobs]
+            h = dataclasses.replace(h, layers=layout(h.header_nbytes, lengths))
         return h, h.encode(), blobs
 
     def encode(self) -> bytearray | memoryview:
@@ -274,16 +208,7 @@ class KVSegment:
     @property
     def nbytes(self) -> int:
         """Header plus raw payload: the exact length of encode() for codec none."""
-        return (
-            header_nbytes_for(
-                self.num_layers,
-                self.num_tokens,
-                self.num_kv_heads,
-                len(self.fingerprint),
-                self.quant,
-            )
-            + self.payload.numel() * self.payload.element_size()
-        )
+        return self.header.header_nbytes + self.payload.numel() * self.payload.element_size()
 
     @staticmethod
     def decode(buf, verify: bool = True) -> KVSegment:
@@ -320,7 +245,7 @@ class KVSegment:
             for i in range(h.num_layers):
                 if checksum(raw[i * n : (i + 1) * n]) != h.checksums[i]:
                     raise SegmentError(f"layer {i}: checksum mismatch")
-        payload = _frombuffer(raw, dt, 0, h.payload_raw_nbytes // dt.itemsize)
+        payload = frombuffer(raw, dt, 0, h.payload_raw_nbytes // dt.itemsize)
         seg = KVSegment.of_header(h, payload)
         seg.verified = verify
         return seg
@@ -328,23 +253,9 @@ class KVSegment:
     @staticmethod
     def of_header(h: SegmentHeader, payload: torch.Tensor) -> KVSegment:
         """The segment a checked header describes, over its decoded payload (not copied)."""
-        return KVSegment(
-            h.key,
-            h.parent,
-            h.tokens,
-            h.fingerprint,
-            h.num_layers,
-            h.num_tokens,
-            h.num_kv_heads,
-            h.head_dim,
-            h.dtype,
-            h.quant,
-            h.scales,
-            h.base_position,
-            h.codec,
-            payload.view(h.num_layers, *h.layer_shape),
-            list(h.checksums),
-        )
+        if h.codec != "none":  # a segment's header describes its payload encoded raw
+            h = dataclasses.replace(h, layers=raw_layout(h))
+        return KVSegment(h, payload.view(h.num_layers, *h.layer_shape))
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's K and V, [2, T, H, D]: a view of the payload."""
@@ -355,9 +266,9 @@ class KVSegment:
 
     def verify(self) -> None:
         """Recompute each layer's checksum against the recorded one; SegmentError on mismatch."""
-        if self.checksums is None:
+        if not self.header.checksums:
             self.compute_checksums()
             return
         for i in range(self.num_layers):
-            if checksum(self._raw_layer(i)) != self.checksums[i]:
+            if checksum(self._raw_layer(i)) != self.header.checksums[i]:
                 raise SegmentError(f"layer {i}: checksum mismatch")

@@ -4,32 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from tierkv.storage_backends.base import (
-    DEFAULT_NAMESPACE,
-    Hold,
-    SegmentLayer,
-    Tier,
-    TierStats,
-    check_key,
-    check_namespace,
-    check_put,
-)
-from tierkv.storage_backends.buffers import clone_to, copy_into, with_payload
+from tierkv.storage_backends.buffers import clone_to, copy_into
+from tierkv.storage_backends.leases import LeaseGroup
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace, check_put
 from tierkv.storage_backends.segment import KVSegment
-from tierkv.storage_backends.stream import Keep, LayerSink, Merge
-
-log = logging.getLogger(__name__)
+from tierkv.storage_backends.stats import TierStats
+from tierkv.storage_backends.stream import LayerSink
+from tierkv.storage_backends.stream_merge import Keep, Merge
+from tierkv.storage_backends.tier import SegmentLayer, Tier
+from tierkv.storage_backends.write_queue import Job, WriteQueue
 
 
 @dataclass(slots=True)
 class StoreConfig:
-    queue_size: int = (
-        64  # background writes waiting for the slower tiers; beyond it they are dropped
-    )
+    # background writes waiting for the slower tiers; beyond it they are dropped
+    queue_size: int = 64
     workers: int = 1  # tasks draining that queue
     promote: bool = True  # a hit in a slower tier is copied into every faster tier
 
@@ -53,42 +45,6 @@ class StoreStats:
     tiers: list[TierStats] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class Job:
-    ns: str
-    key: bytes
-    segment: KVSegment | None  # None: read it from tiers[source] when the job runs
-    source: int
-    targets: list[int]
-    gen: int = 0  # the key's delete generation when queued; a delete since then cancels the job
-    # Ask each target whether it holds the key before sending it: only for demotions, since a
-    # put's caller has checked (keys name their content) and a promotion's targets missed.
-    check: bool = False
-
-
-@dataclass(slots=True)
-class LeaseGroup:
-    """A lease on every tier at once."""
-
-    parts: list[Hold]
-
-    def release(self) -> None:
-        for p in self.parts:
-            p.release()
-
-    def __enter__(self) -> LeaseGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    async def __aenter__(self) -> LeaseGroup:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-
 class TieredStore(Tier):
     """put lands in tiers[0] at once and reaches the others through a bounded queue (a full
     queue drops and counts; put never waits for it); get reads the fastest tier holding the
@@ -103,78 +59,11 @@ class TieredStore(Tier):
         self.tiers = list(tiers)
         self.config = config or StoreConfig()
         self._stats = StoreStats()
-        self._queue: asyncio.Queue[Job] | None = None
-        self._workers: list[asyncio.Task] = []
-        # evicted, queued for the next tier: (segment, index of that tier)
-        self._moving: dict[tuple[str, bytes], tuple[KVSegment, int]] = {}
-        self._queued: dict[tuple[str, bytes], int] = {}  # jobs queued or running per key
-        self._gen: dict[
-            tuple[str, bytes], int
-        ] = {}  # deletes of a key while it had jobs (bounded by them)
+        self._writes = WriteQueue(
+            self.tiers, self.config.queue_size, self.config.workers, self._stats
+        )
         for i, t in enumerate(self.tiers[:-1]):
-            t.on_evict = self._demoter(i)
-
-    def _demoter(self, i: int):
-        def demote(ns: str, key: bytes, segment: KVSegment) -> None:
-            if self._enqueue(Job(ns, key, segment, i, [i + 1], check=True)):
-                self._stats.demoted += 1
-                self._moving[(ns, key)] = (segment, i + 1)
-
-        return demote
-
-    def _enqueue(self, job: Job) -> bool:
-        if self._queue is None:
-            self._queue = asyncio.Queue(self.config.queue_size)
-            self._workers = [
-                asyncio.get_running_loop().create_task(self._work())
-                for _ in range(self.config.workers)
-            ]
-        ident = (job.ns, job.key)
-        job.gen = self._gen.get(ident, 0)
-        try:
-            self._queue.put_nowait(job)
-        except asyncio.QueueFull:
-            self._stats.dropped += 1
-            return False
-        self._queued[ident] = self._queued.get(ident, 0) + 1
-        self._stats.queued += 1
-        return True
-
-    async def _work(self) -> None:
-        assert self._queue is not None
-        while True:
-            job = await self._queue.get()
-            try:
-                await self._run(job)
-            except Exception:  # a tier bug must not kill the worker; the write is just lost
-                log.exception("background write of %s failed", job.key.hex())
-            finally:
-                ident = (job.ns, job.key)
-                if job.segment is not None and self._moving.get(ident, (None,))[0] is job.segment:
-                    del self._moving[ident]
-                self._queued[ident] -= 1
-                if not self._queued[ident]:
-                    del self._queued[ident]
-                    self._gen.pop(ident, None)
-                self._queue.task_done()
-
-    async def _run(self, job: Job) -> None:
-        seg = job.segment
-        if seg is None:
-            seg = await self.tiers[job.source].get(job.key, job.ns)
-            if seg is None:
-                self._stats.lost += 1
-                return
-        for i in job.targets:
-            tier = self.tiers[i]
-            if self._gen.get((job.ns, job.key), 0) != job.gen:
-                return  # deleted after it was queued: a delete is final
-            if job.check and (await tier.contains([job.key], job.ns))[0]:
-                continue
-            if await tier.put(job.key, seg, job.ns):
-                self._stats.written += 1
-                if self._gen.get((job.ns, job.key), 0) != job.gen:  # deleted while this put ran
-                    await tier.delete(job.key, job.ns)
+            t.on_evict = self._writes.demoter(i)
 
     # -- the Tier interface ----------------------------------------------------------------
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
@@ -186,12 +75,9 @@ class TieredStore(Tier):
             # when tiers[0] refused it, keeps a private copy.
             src: KVSegment | None = segment
             if not segment.owned:
-                src = (
-                    None
-                    if ok
-                    else with_payload(segment, clone_to(segment.payload, segment.payload.device))
-                )
-            ok = self._enqueue(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
+                payload = segment.payload
+                src = None if ok else KVSegment(segment.header, clone_to(payload, payload.device))
+            ok = self._writes.put(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
         return ok
 
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
@@ -210,7 +96,7 @@ class TieredStore(Tier):
                     await self._promote(key, seg, ns, i, out)
                 self._stats.hits += 1
                 return seg, tier.name
-        moving = self._moving.get((ns, key))  # between two tiers right now: still a hit
+        moving = self._writes.moving.get((ns, key))  # between two tiers right now: still a hit
         if moving is not None:
             seg = moving[0] if out is None else copy_into(moving[0], out)
             if self.config.promote and await self.tiers[0].put(key, seg, ns):
@@ -224,7 +110,7 @@ class TieredStore(Tier):
         """Copy a hit in tiers[i] into the faster tiers: queued, so that the load does not wait
         for it (the job keeps seg, which views a buffer of its own), or at once when seg views
         the caller's `out`, which the caller may overwrite as soon as get returns."""
-        if out is None and self._enqueue(Job(ns, key, seg, i, list(range(i)))):
+        if out is None and self._writes.put(Job(ns, key, seg, i, list(range(i)))):
             self._stats.promoted += 1
             return
         stored = [await faster.put(key, seg, ns) for faster in self.tiers[:i]]
@@ -310,7 +196,7 @@ class TieredStore(Tier):
                     where[j] = i
             todo = [j for j, f in zip(todo, found) if not f]
         for j in todo:  # between two tiers right now: where it is going (get serves it meanwhile)
-            moving = self._moving.get((ns, keys[j]))
+            moving = self._writes.moving.get((ns, keys[j]))
             if moving is not None:
                 where[j] = moving[1]
             elif guess_last:
@@ -319,10 +205,8 @@ class TieredStore(Tier):
 
     async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
         check_namespace(ns)
-        ident = (ns, check_key(key))
-        if ident in self._queued:  # background writes of it not yet done must not bring it back
-            self._gen[ident] = self._gen.get(ident, 0) + 1
-        moving = self._moving.pop(ident, None) is not None
+        # background writes of it not yet done must not bring it back
+        moving = self._writes.cancel(ns, check_key(key))
         return any([await t.delete(key, ns) for t in self.tiers]) or moving
 
     def lease(
@@ -365,14 +249,9 @@ class TieredStore(Tier):
 
     async def drain(self) -> None:
         """Wait until every queued background write has run (tests, orderly shutdown)."""
-        if self._queue is not None:
-            await self._queue.join()
+        await self._writes.drain()
 
     async def close(self) -> None:
-        await self.drain()
-        for w in self._workers:
-            w.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers, self._queue = [], None
+        await self._writes.close()
         for t in self.tiers:
             await t.close()

@@ -23,9 +23,7 @@ Safety contract of every `Tier.stream(keys, ns, sink)`:
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -124,7 +122,7 @@ def _found(seg: KVSegment | None | BaseException, key: bytes) -> SegmentHeader |
         return f"tier error: {seg!r}"
     if seg is None:
         return "miss"
-    return seg.header() if seg.key == key else "the tier answered another key"
+    return seg.full_header() if seg.key == key else "the tier answered another key"
 
 
 def open_all(sink: LayerSink, found: Sequence[SegmentHeader | str | None]) -> list[int]:
@@ -177,128 +175,3 @@ def _place(
     except SegmentError as e:
         return f"miss: corrupt: {e}"
     return None
-
-
-@dataclass(slots=True, eq=False)
-class Merge:
-    """Several sub-streams (one per tier) into one sink: layer l is made ready once every
-    sub-stream has reached it or ended, and each sub-stream waits for that before going on."""
-
-    sink: LayerSink
-    parts: int
-    reached: list[float] = field(default_factory=list)  # per part: last layer ready, inf: ended
-    top: int = -1  # the highest layer any part reached
-    emitted: int = -1
-    flushing: asyncio.Lock = field(default_factory=asyncio.Lock)
-    emitted_up: asyncio.Condition | None = None
-    failed: BaseException | None = None  # what the sink's ready raised, once it did
-
-    def __post_init__(self) -> None:
-        self.reached = [-1.0] * self.parts
-        self.emitted_up = asyncio.Condition(self.flushing)
-
-    def part(self, j: int, index: list[int]) -> _Part:
-        return _Part(self, j, index)
-
-    async def reach(self, j: int, layer: float) -> None:
-        """Part j made `layer` ready (inf: it ended); returns once the merged stream has made it
-        ready. An exception of the sink's ready reaches every part waiting."""
-        self.reached[j] = layer
-        if not math.isinf(layer):
-            self.top = max(self.top, int(layer))
-        cond = self.emitted_up
-        assert cond is not None
-        async with cond:
-            try:
-                while self.failed is None and self.emitted < min(min(self.reached), self.top):
-                    self.emitted += 1
-                    await self.sink.ready(self.emitted)
-                    cond.notify_all()
-            except BaseException as e:
-                self.failed = e
-                cond.notify_all()
-                raise
-            if not math.isinf(layer):
-                await cond.wait_for(lambda: self.failed is not None or self.emitted >= layer)
-                if self.failed is not None:
-                    raise self.failed
-
-
-@dataclass(slots=True, eq=False)
-class _Part:
-    """One sub-stream's sink: its key indexes mapped back to the whole stream's."""
-
-    merge: Merge
-    j: int
-    index: list[int]
-
-    @property
-    def checks(self) -> bool:
-        return reader_checks(self.merge.sink)
-
-    def open(self, i: int, header: SegmentHeader) -> bool:
-        return self.merge.sink.open(self.index[i], header)
-
-    def into(self, i: int, layer: int) -> memoryview:
-        return self.merge.sink.into(self.index[i], layer)
-
-    def drop(self, i: int, why: str) -> None:
-        self.merge.sink.drop(self.index[i], why)
-
-    async def ready(self, layer: int) -> None:
-        await self.merge.reach(self.j, layer)
-
-    async def end(self) -> None:
-        await self.merge.reach(self.j, math.inf)
-
-
-@dataclass(slots=True, eq=False)
-class Keep:
-    """A sink in front of another that remembers where each key's layers went, so that the
-    whole segments can be copied afterwards (a store promotes streamed hits from them)."""
-
-    sink: LayerSink
-    heads: dict[int, SegmentHeader] = field(default_factory=dict)
-    views: dict[int, list[memoryview]] = field(default_factory=dict)
-
-    @property
-    def checks(self) -> bool:
-        return reader_checks(self.sink)
-
-    def open(self, i: int, header: SegmentHeader) -> bool:
-        if not self.sink.open(i, header):
-            return False
-        self.heads[i], self.views[i] = header, []
-        return True
-
-    def into(self, i: int, layer: int) -> memoryview:
-        view = self.sink.into(i, layer)
-        self.views[i].append(view)
-        return view
-
-    def drop(self, i: int, why: str) -> None:
-        self.heads.pop(i, None)
-        self.sink.drop(i, why)
-
-    async def ready(self, layer: int) -> None:
-        await self.sink.ready(layer)
-
-    def complete(self) -> list[int]:
-        """The keys delivered whole."""
-        return [i for i, h in self.heads.items() if len(self.views[i]) == h.num_layers]
-
-    def whole(self) -> list[tuple[int, KVSegment]]:
-        """(key index, an owned copy) of each key delivered whole; call before the sink reuses
-        its buffers."""
-        out = []
-        for i in self.complete():
-            h = self.heads[i]
-            buf = torch.empty(h.payload_raw_nbytes, dtype=torch.uint8).numpy().data
-            n = h.layer_raw_nbytes
-            for layer, view in enumerate(self.views[i]):
-                buf[layer * n : (layer + 1) * n] = view
-            copied("store.keep", h.payload_raw_nbytes)
-            seg = KVSegment.from_raw(h, buf, verify=False)
-            seg.owned = True
-            out.append((i, seg))
-        return out

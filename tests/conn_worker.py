@@ -9,12 +9,15 @@ import sys
 
 from tests.test_connector import CHUNK, GREEDY, engine, tokens
 from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.storage_backends.build import TiersConfig
 
 
 def main() -> None:
     target, seed, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     conn = TierKVConnector(
-        ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", remote=f"grpc://{target}")
+        ConnectorConfig(
+            chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes="16MiB"), remote=f"grpc://{target}"
+        )
     )
     out = engine(conn).generate([tokens(n, seed)], GREEDY, use_tqdm=False)[0]
     conn.close()  # flushes: every save has reached the server

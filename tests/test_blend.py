@@ -16,6 +16,7 @@ from tests.test_connector import FaultTier
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams
 from tierkv.kernels import RotaryEmbedding, rerotate_k
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.cpu_tier import CpuTierConfig
 from tierkv.storage_backends.keys import ChunkHasher, Salt
 
@@ -80,7 +81,7 @@ def flat(order: list[int]) -> list[int]:
 
 @pytest.fixture
 def conn():
-    c = TierKVConnector(ConnectorConfig(chunk_size=64, cpu_bytes="32MiB"))
+    c = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="32MiB")))
     yield c
     c.close()
 

@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from tests.test_blend import DOCS, QUESTION, ckpt, conn, engine, first_logits, prompt  # noqa: F401
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams, blend
+from tierkv.storage_backends.build import TiersConfig
 
 
 class Dense:
@@ -158,7 +159,7 @@ def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:
     order, loaded = [1, 0, 2], sum(map(len, DOCS))
     p15 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.15)
     first_logits(engine(path, conn), prompt(order), p15)
-    fp8_conn = TierKVConnector(ConnectorConfig(chunk_size=64, cpu_bytes="32MiB"))
+    fp8_conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="32MiB")))
     try:
         llm = LLM(
             str(path),

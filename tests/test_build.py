@@ -36,20 +36,31 @@ async def test_each_tier_by_its_knobs(tmp_path) -> None:
 
 
 async def test_server_and_connector_mean_the_same(tmp_path) -> None:
-    server = ServerConfig(cache_dir=str(tmp_path), cpu_bytes=2 << 20, disk_bytes=0)
-    assert server.tiers().disk_bytes == 0 and await names(server.tiers()) == ["cpu"]
-    conn = ConnectorConfig(cpu_bytes="2MiB", disk_dir=tmp_path, disk_bytes=0)
-    assert await names(conn.tiers()) == ["cpu"]  # disk_bytes 0: no disk tier, for both
-    server = ServerConfig(cache_dir=str(tmp_path), cpu_bytes=0, redis_url="redis://h:1/0")
-    assert server.tiers().disk_dir == tmp_path / "disk"
-    assert await names(server.tiers()) == ["disk", "redis"]
+    server = ServerConfig(
+        cache_dir=str(tmp_path), tiers=TiersConfig(cpu_bytes=2 << 20, disk_bytes=0)
+    )
+    assert server.tier_config().disk_bytes == 0 and await names(server.tier_config()) == ["cpu"]
+    conn = ConnectorConfig(tiers=TiersConfig(cpu_bytes="2MiB", disk_dir=tmp_path, disk_bytes=0))
+    assert await names(conn.tier_config()) == ["cpu"]  # disk_bytes 0: no disk tier, for both
+    server = ServerConfig(
+        cache_dir=str(tmp_path), tiers=TiersConfig(cpu_bytes=0, redis_url="redis://h:1/0")
+    )
+    assert server.tier_config().disk_dir == tmp_path / "disk"
+    assert await names(server.tier_config()) == ["disk", "redis"]
     with pytest.raises(ConfigError, match="redis_url"):
-        ServerConfig(redis_url="redis:/typo")
+        ServerConfig(tiers=TiersConfig(redis_url="redis:/typo"))
 
 
 async def test_connector_appends_the_server_tier() -> None:
-    tiers = ConnectorConfig(cpu_bytes="1MiB", remote="grpc://127.0.0.1:1").build_tiers()
+    tiers = ConnectorConfig(
+        tiers=TiersConfig(cpu_bytes="1MiB"), remote="grpc://127.0.0.1:1"
+    ).build_tiers()
     assert [t.name for t in tiers] == ["cpu", "remote"] and isinstance(tiers[-1], RemoteTier)
-    assert ConnectorConfig(cpu_bytes=0, remote="redis://h:1/0").tiers().redis_url == "redis://h:1/0"
+    assert (
+        ConnectorConfig(tiers=TiersConfig(cpu_bytes=0), remote="redis://h:1/0")
+        .tier_config()
+        .redis_url
+        == "redis://h:1/0"
+    )
     with pytest.raises(ValueError, match="at least one tier"):
-        ConnectorConfig(cpu_bytes=0).build_tiers()
+        ConnectorConfig(tiers=TiersConfig(cpu_bytes=0)).build_tiers()

@@ -12,6 +12,7 @@ import torch
 from tierkv.cacheserver.launch import ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 
 CFG = dict(
@@ -94,7 +95,7 @@ def check_reuse(writer: TierKVConnector, reader, cold: dict, tier: str) -> None:
 
 @pytest.mark.triton_path
 def test_reuse_from_cpu_tier(cold) -> None:
-    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB"))
+    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes="16MiB")))
     try:
         check_reuse(conn, conn, cold, "cpu")
         assert conn.stats.save_skipped >= 5  # a second run of the same prompt stores nothing again
@@ -103,7 +104,9 @@ def test_reuse_from_cpu_tier(cold) -> None:
 
 
 def test_reuse_from_disk_tier(cold, tmp_path) -> None:
-    cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, disk_dir=tmp_path / "kv")
+    cfg = ConnectorConfig(
+        chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes=0, disk_dir=tmp_path / "kv")
+    )
     readers = []
 
     def restart() -> (
@@ -131,7 +134,7 @@ def test_reuse_through_cache_server(cold, path: str) -> None:
     try:
         cfg = ConnectorConfig(
             chunk_size=CHUNK,
-            cpu_bytes=0,
+            tiers=TiersConfig(cpu_bytes=0),
             remote=f"grpc://{server.target}",
             data_plane=path != "grpc",
             shared_memory=path == "shm",
@@ -153,7 +156,7 @@ def test_reuse_through_cache_server(cold, path: str) -> None:
 
 
 def test_reuse_from_redis(cold, redis_proc) -> None:
-    cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url)
+    cfg = ConnectorConfig(chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes=0), remote=redis_proc.url)
     writer, reader = TierKVConnector(cfg), TierKVConnector(cfg)
     try:
         check_reuse(writer, reader, cold, "redis")
@@ -163,9 +166,13 @@ def test_reuse_from_redis(cold, redis_proc) -> None:
 
 
 def test_local_tier_promotes_remote_hits(cold, redis_proc) -> None:
-    writer = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url))
+    writer = TierKVConnector(
+        ConnectorConfig(chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes=0), remote=redis_proc.url)
+    )
     reader = TierKVConnector(
-        ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", remote=redis_proc.url)
+        ConnectorConfig(
+            chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes="16MiB"), remote=redis_proc.url
+        )
     )
     try:
         run(writer, PROMPT)
@@ -227,7 +234,11 @@ class FaultTier(CpuTier):
             return dataclasses.replace(seg, payload=payload)
         other = (seg.tokens + 1) % CFG["vocab_size"]  # valid checksums, other tokens
         return type(seg).from_tensor(
-            seg.payload, key=seg.key, parent=seg.parent, tokens=other, fingerprint=seg.fingerprint
+            seg.payload,
+            key=seg.key,
+            parent=seg.header.parent,
+            tokens=other,
+            fingerprint=seg.header.fingerprint,
         )
 
     async def stream(self, keys, ns, sink):
@@ -304,7 +315,12 @@ def test_faults_recompute_and_count(cold, mode: str, counter: str) -> None:
 def test_salts_other_model_dtype_or_namespace_never_hit(redis_proc) -> None:
     def conn(ns: str) -> TierKVConnector:
         return TierKVConnector(
-            ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url, namespace=ns)
+            ConnectorConfig(
+                chunk_size=CHUNK,
+                tiers=TiersConfig(cpu_bytes=0),
+                remote=redis_proc.url,
+                namespace=ns,
+            )
         )
 
     a, b = conn("tenant-a"), conn("tenant-b")
@@ -333,7 +349,9 @@ def test_prometheus_metrics(cold) -> None:
     from tierkv.cacheserver.launch import free_port
 
     port = free_port()
-    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB", metrics_port=port))
+    conn = TierKVConnector(
+        ConnectorConfig(chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes="16MiB"), metrics_port=port)
+    )
     try:
         run(conn, PROMPT)
         run(conn, PROMPT)
@@ -348,7 +366,7 @@ def test_prometheus_metrics(cold) -> None:
 def test_fp8_engine_cache_reuse_matches_its_own_cold_run() -> None:
     """An fp8 KV cache stores fp8 segments with the engine's scales; a hit gives the same
     greedy tokens as the same fp8 engine computing cold."""
-    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, cpu_bytes="16MiB"))
+    conn = TierKVConnector(ConnectorConfig(chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes="16MiB")))
     try:
         llm = LLM(
             CFG,

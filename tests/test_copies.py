@@ -13,9 +13,10 @@ from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.dataplane.client import DataTier
 from tierkv.cacheserver.server import Server
-from tierkv.storage_backends.base import DEFAULT_NAMESPACE as NS
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.copies import copied, counting
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.names import DEFAULT_NAMESPACE as NS
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import StoreConfig, TieredStore
 
@@ -46,9 +47,7 @@ async def test_copies_per_hop_save_and_load(redis_proc, tmp_path) -> None:
     config = ServerConfig(
         port=0,
         cache_dir=str(tmp_path),
-        cpu_bytes=64 << 20,
-        disk_bytes=64 << 20,
-        redis_url=redis_proc.url,
+        tiers=TiersConfig(cpu_bytes=64 << 20, disk_bytes=64 << 20, redis_url=redis_proc.url),
     )
     server = await Server.start(config, build_store(config))
     target = f"127.0.0.1:{server.port}"

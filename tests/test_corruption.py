@@ -14,6 +14,7 @@ from tests.test_connector import CHUNK, GREEDY, PROMPT, engine
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.header import PREFIX, checksum
 from tierkv.storage_backends.segment import KVSegment
 
@@ -41,7 +42,7 @@ def with_version(value: bytes, version: int) -> bytes:
     )
 
 
-HN = segment(0).header().header_nbytes
+HN = segment(0).header.header_nbytes
 CORRUPTIONS = {  # what is placed instead of a good value
     "payload flip": lambda v: flip(v, len(v) - 7),
     "header flip": lambda v: flip(v, 100),
@@ -118,8 +119,8 @@ async def test_corrupt_files_are_dropped_when_the_server_restarts() -> None:
 
 def foreign(value: bytes, how: str) -> bytes:
     """A valid segment under the same key, parent and tokens, but not ours to inject."""
-    s = KVSegment.decode(value)
-    kv = s.payload.clone()
+    seg = KVSegment.decode(value)
+    s, kv = seg.header, seg.payload.clone()
     kw = dict(key=s.key, parent=s.parent, tokens=s.tokens, base_position=s.base_position)
     if how == "other model":
         return bytes(
@@ -152,7 +153,7 @@ def test_foreign_segments_under_our_keys_are_never_injected(
     redis_proc: RedisProcess, how: str
 ) -> None:
     cold = engine().generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids
-    cfg = ConnectorConfig(chunk_size=CHUNK, cpu_bytes=0, remote=redis_proc.url)
+    cfg = ConnectorConfig(chunk_size=CHUNK, tiers=TiersConfig(cpu_bytes=0), remote=redis_proc.url)
     writer = TierKVConnector(cfg)
     r = redis.Redis(port=redis_proc.port)
     try:

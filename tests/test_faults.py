@@ -20,6 +20,7 @@ from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.frames import put_frames
 from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.segment import KVSegment
@@ -232,7 +233,7 @@ def test_hung_cache_server_does_not_hold_the_engine() -> None:
     server = ServerProcess().start()
     cfg = ConnectorConfig(
         chunk_size=CHUNK,
-        cpu_bytes=0,
+        tiers=TiersConfig(cpu_bytes=0),
         remote=f"grpc://{server.target}",
         lookup_timeout_s=0.5,
         load_timeout_s=0.5,

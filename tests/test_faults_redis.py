@@ -14,6 +14,7 @@ import torch
 from tests.test_connector import CHUNK, GREEDY, engine, tokens
 from tierkv.cacheserver.launch import RedisCluster, RedisProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment
 
@@ -30,7 +31,7 @@ def test_redis_killed_and_restarted_under_load(redis_proc: RedisProcess) -> None
     cold = [o.token_ids for o in engine().generate(PROMPTS, GREEDY, use_tqdm=False)]
     cfg = ConnectorConfig(
         chunk_size=CHUNK,
-        cpu_bytes=0,
+        tiers=TiersConfig(cpu_bytes=0),
         remote=redis_proc.url,
         lookup_timeout_s=1.0,
         load_timeout_s=1.0,

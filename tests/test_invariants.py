@@ -9,11 +9,11 @@ import pytest
 from tests.test_scheduler import add, make, step
 from tests.test_tiers import cost, key, seg
 from tierkv.engine.invariants import InvariantError as EngineInvariantError
-from tierkv.storage_backends.base import CHECK_INVARIANTS_ENV, InvariantError
-from tierkv.storage_backends.base import check_invariants_enabled as tiers_enabled
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.invariants import CHECK_INVARIANTS_ENV, InvariantError
+from tierkv.storage_backends.invariants import check_invariants_enabled as tiers_enabled
 from tierkv.storage_backends.pages import PageAllocator
 
 

@@ -23,6 +23,7 @@ from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment
 
@@ -173,7 +174,7 @@ async def test_namespaces_survive_restart_and_redis(auth_server) -> None:
 def test_connector_tenants_share_nothing(auth_server) -> None:
     cfg = dict(
         chunk_size=CHUNK,
-        cpu_bytes=0,
+        tiers=TiersConfig(cpu_bytes=0),
         remote=f"grpcs://{auth_server.target}",
         tls_ca=str(auth_server.cert),
     )

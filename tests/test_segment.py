@@ -64,16 +64,17 @@ def test_roundtrip(L, T, H, D, dtype, codec, seed, base, as_bytes):
         assert len(buf) == seg.nbytes
     got = KVSegment.decode(bytes(buf) if as_bytes else buf)
     assert same_bits(got.tensor(), seg.tensor())
-    assert (got.key, got.parent, got.fingerprint, got.base_position) == (
-        seg.key,
-        seg.parent,
-        seg.fingerprint,
+    g, s = got.header, seg.header
+    assert (g.key, g.parent, g.fingerprint, g.base_position) == (
+        s.key,
+        s.parent,
+        s.fingerprint,
         base,
     )
-    assert (got.dtype, got.codec, got.quant) == (seg.dtype, codec, seg.quant)
-    assert np.array_equal(got.tokens, seg.tokens)
+    assert (g.dtype, g.codec, g.quant) == (s.dtype, codec, s.quant)
+    assert np.array_equal(g.tokens, s.tokens)
     if dtype == torch.float8_e4m3fn:
-        assert np.array_equal(got.scales, seg.scales)
+        assert np.array_equal(g.scales, s.scales)
     got.verify()
     # a reader can fetch the prefix, then the header, then each layer's byte range
     h = SegmentHeader.decode(buf[: SegmentHeader.peek_nbytes(buf[:PREFIX_NBYTES])])
@@ -150,7 +151,7 @@ def test_payload_corruption_and_layer_errors():
 def test_shape_mismatch_in_header_table():
     # a header whose layer table disagrees with the shape is refused (rebuilt with a valid checksum)
     seg = make()
-    h = seg.header()
+    h = seg.full_header()
     h.layers = [(off, n - 2) for off, n in h.layers]
     with pytest.raises(SegmentError, match="do not match shape"):
         SegmentHeader.decode(h.encode())
@@ -159,7 +160,7 @@ def test_shape_mismatch_in_header_table():
 def test_crafted_header_cannot_ask_for_a_huge_allocation():
     # a valid-checksum header claiming 64 layers of 16M tokens, each "compressed" to 16 bytes
     seg = make(codec="lz4")
-    h = seg.header([16, 16])
+    h = seg.full_header()
     h.num_tokens = 1 << 24
     h.tokens = np.zeros(1 << 24, np.int32)
     h.header_nbytes = -(-(h.header_nbytes + 4 * (1 << 24)) // 64) * 64

@@ -11,13 +11,14 @@ import pytest
 from tests.serve_helpers import ThreadServer, tiny_checkpoint, words
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM
+from tierkv.storage_backends.build import TiersConfig
 
 DOCS = [words(list(range(100, 148))), words(list(range(150, 198)))]
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):
-    conn = TierKVConnector(ConnectorConfig(chunk_size=16, cpu_bytes="16MiB"))
+    conn = TierKVConnector(ConnectorConfig(chunk_size=16, tiers=TiersConfig(cpu_bytes="16MiB")))
     llm = LLM(
         tiny_checkpoint(tmp_path_factory.mktemp("rag")),
         dtype="fp32",

@@ -168,13 +168,18 @@ def test_config_layers(tmp_path: Path) -> None:
     cfg.add_arguments(p)
     env = {"TIERKV_CPU_BYTES": "512MiB", "TIERKV_PORT": "7002", "TIERKV_REDIS_CLUSTER": "true"}
     c = cfg.load(p.parse_args(["--config", str(y), "--port", "7003"]), env)
-    assert (c.port, c.cpu_bytes, c.disk_bytes, c.redis_url) == (
+    assert (c.port, c.tiers.cpu_bytes, c.tiers.disk_bytes, c.tiers.redis_url) == (
         7003,
         512 << 20,
         1 << 30,
         "redis://a:1/0",
     )
-    assert c.redis_cluster and c.tokens == {"abcdefgh1": "ns1"} and c.auth and c.host == "127.0.0.1"
+    assert (
+        c.tiers.redis_cluster
+        and c.tokens == {"abcdefgh1": "ns1"}
+        and c.auth
+        and c.host == "127.0.0.1"
+    )
     assert cfg.load(None, {"TIERKV_CONFIG": str(y)}).port == 7001
     d = cfg.load(None, {})
     assert d.host == "127.0.0.1" and not d.auth and d.max_frame_bytes == 1 << 20

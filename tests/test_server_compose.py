@@ -50,7 +50,7 @@ def test_services_ports_health_volume() -> None:
     env["TIERKV_TOKENS"] = ""
     c = cfg.load(None, env)
     assert (c.host, c.port, c.cache_dir, c.metrics_port) == ("0.0.0.0", int(port), mount, 9400)
-    assert c.cpu_bytes == 4 << 30 and c.redis_url and not c.auth
+    assert c.tiers.cpu_bytes == 4 << 30 and c.tiers.redis_url and not c.auth
     grace = int(re.match(r"(\d+)s", server["stop_grace_period"]).group(1))
     assert grace > c.grace_s  # SIGTERM drains before Docker's SIGKILL
 

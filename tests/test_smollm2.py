@@ -18,6 +18,7 @@ from tierkv.cacheserver.launch import RedisProcess, ServerProcess
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.models import pull
+from tierkv.storage_backends.build import TiersConfig
 
 SYSTEM = (
     "You are the help desk of a public library. Answer every question in one short, plain "
@@ -166,20 +167,28 @@ def test_connector_hits_from_every_tier(safetensors_dir, gguf, prompts, hf_repli
         return conns[-1]
 
     try:
-        writer = connector(cpu_bytes="64MiB", disk_dir=disk, remote=remote)
+        writer = connector(tiers=TiersConfig(cpu_bytes="64MiB", disk_dir=disk), remote=remote)
         LLM(str(gguf), dtype="fp32", kv_cache_bytes=64 << 20, kv_connector=writer).generate(
             prompts, GREEDY, use_tqdm=False
         )
         writer.flush()
         load_all(writer, safetensors_dir, prompts, hf_replies, "cpu")
         load_all(
-            connector(cpu_bytes=0, disk_dir=disk), safetensors_dir, prompts, hf_replies, "disk"
+            connector(tiers=TiersConfig(cpu_bytes=0, disk_dir=disk)),
+            safetensors_dir,
+            prompts,
+            hf_replies,
+            "disk",
         )
         load_all(
-            connector(cpu_bytes=0, remote=remote), safetensors_dir, prompts, hf_replies, "remote"
+            connector(tiers=TiersConfig(cpu_bytes=0), remote=remote),
+            safetensors_dir,
+            prompts,
+            hf_replies,
+            "remote",
         )
         wait_for_redis(redis, writer.stats.saved_chunks)  # the server's write-through
-        via_redis = connector(cpu_bytes=0, remote=redis.url)
+        via_redis = connector(tiers=TiersConfig(cpu_bytes=0), remote=redis.url)
         load_all(via_redis, safetensors_dir, prompts, hf_replies, "redis")
     finally:
         for c in conns:

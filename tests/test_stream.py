@@ -235,7 +235,7 @@ def frames(segs: list[KVSegment]) -> bytes:
     out = HEAD.pack(OK, len(segs), 0)
     for layer in range(LAYERS):
         for i, s in enumerate(segs):
-            h = s.header()
+            h = s.full_header()
             head = h.encode() if layer == 0 else b""
             data = s.payload[layer].contiguous().view(torch.uint8).numpy().tobytes()
             out += FRAME.pack(i, layer, len(head), len(data), INLINE) + head + data

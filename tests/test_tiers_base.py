@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierkv.storage_backends.base import Leases, check_namespace, format_size, parse_size
+from tierkv.storage_backends.leases import Leases
+from tierkv.storage_backends.names import check_namespace
 from tierkv.storage_backends.pages import PageAllocator, runs
+from tierkv.storage_backends.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@ under (computed alike on the scheduler and the worker side, from vLLM's config a
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
 def connector_config(extra: dict[str, Any] | None) -> ConnectorConfig:
-    """The ConnectorConfig of kv_connector_extra_config: its keys are ConnectorConfig's fields,
-    with the same meaning; an unknown key is a ValueError that names the known ones."""
+    """The ConnectorConfig of kv_connector_extra_config: its keys are ConnectorConfig's knobs
+    (its fields, the tier knobs flat), with the same meaning; an unknown key is a ValueError
+    that names the known ones."""
     extra = dict(extra or {})
-    known = [f.name for f in dataclasses.fields(ConnectorConfig)]
+    known = [f.name for f in ConnectorConfig.knobs()]
     unknown = sorted(set(extra) - set(known))
     if unknown:
         raise ValueError(
             f"tierkv.vllm: unknown kv_connector_extra_config key(s) {unknown}; "
             f"the knobs are ConnectorConfig's: {known}"
         )
-    cfg = ConnectorConfig(**extra)
+    cfg = ConnectorConfig.of(extra)
     if cfg.kv_dtype != "auto":
         raise ValueError("tierkv.vllm stores KV in the cache's own dtype: kv_dtype must be 'auto'")
     return cfg

@@ -63,7 +63,8 @@ class TierKVConnector(KVConnectorBase_V1):
         self.reporter = Reporter()
         if role == KVConnectorRole.SCHEDULER:
             # The shared tier alone: the worker's local tiers live in its own process.
-            shared = dataclasses.replace(cfg, gpu_bytes=0, cpu_bytes=0, disk_dir=None)
+            remote = dataclasses.replace(cfg.tiers, gpu_bytes=0, cpu_bytes=0, disk_dir=None)
+            shared = dataclasses.replace(cfg, tiers=remote)
             store = self.loop.run(_build(shared))
             self.sched = SchedulerSide(
                 self.loop,

@@ -32,7 +32,7 @@ from tierkv.cacheserver.dataplane.conn import Conn, tls_context
 from tierkv.cacheserver.dataplane.protocol import MAX_KEYS
 from tierkv.cacheserver.dataplane.region import Region
 from tierkv.proto import tierkv_pb2 as pb
-from tierkv.storage_backends.base import check_key, check_namespace
+from tierkv.storage_backends.names import check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 from tierkv.storage_backends.stream import LayerSink
 

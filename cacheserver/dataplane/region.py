@@ -11,7 +11,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 
-from tierkv.storage_backends.base import invariant
+from tierkv.storage_backends.invariants import invariant
 
 ALIGN = 4096  # ranges start on page boundaries
 

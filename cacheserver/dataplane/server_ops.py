@@ -30,9 +30,11 @@ from tierkv.cacheserver.dataplane.region import RangeAllocator, Region
 from tierkv.cacheserver.dataplane.stream_server import Outbound
 from tierkv.cacheserver.frames import BadRequest
 from tierkv.cacheserver.receive import Inflight
-from tierkv.storage_backends.base import KEY_NBYTES, IndexedTier, MiB
 from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.indexed_tier import IndexedTier
+from tierkv.storage_backends.names import KEY_NBYTES
 from tierkv.storage_backends.segment import KVSegment, SegmentError
+from tierkv.storage_backends.sizes import MiB
 from tierkv.storage_backends.store import TieredStore
 
 
@@ -101,7 +103,7 @@ async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, b
         return FULL, 0, b"", ""
     region.map[off : off + len(raw)] = raw
     copied("shm.copy_in", len(raw))
-    return off, len(raw), seg.header().encode(), where
+    return off, len(raw), seg.full_header().encode(), where
 
 
 async def get_inline(
@@ -117,7 +119,7 @@ async def get_inline(
             counts.count_get(s.ns, "", 0)
             await conn.sendall(REPLY.pack(0, 0, 0))
             continue
-        head = seg.header().encode()
+        head = seg.full_header().encode()
         raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
         await conn.sendall(REPLY.pack(0, len(raw), len(head)) + head)
         await conn.sendall(raw)

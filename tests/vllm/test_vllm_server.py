@@ -147,10 +147,10 @@ def test_segment_of_another_model_is_refused(b: Engine, server: ServerProcess) -
     other = KVSegment.from_tensor(
         seg.payload,
         key=seg.key,
-        parent=seg.parent,
+        parent=seg.header.parent,
         tokens=seg.tokens,
         fingerprint=bytes(16),
-        base_position=seg.base_position,
+        base_position=seg.header.base_position,
     )  # valid bytes, checksums and key: only the fingerprint says it is another model's
     asyncio.run(replace(server, other))  # through the API: the server checks its own files
     b.reset()

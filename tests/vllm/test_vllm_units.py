@@ -38,7 +38,7 @@ def test_unknown_shapes_are_refused() -> None:
 
 def test_knobs_are_connector_configs() -> None:
     cfg = connector_config({"remote": "grpc://127.0.0.1:1", "chunk_size": 64, "cpu_bytes": "1MiB"})
-    assert (cfg.chunk_size, cfg.cpu_bytes) == (64, 1 << 20)
+    assert (cfg.chunk_size, cfg.tiers.cpu_bytes) == (64, 1 << 20)
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['chunk'\]"):
         connector_config({"chunk": 64})
     with pytest.raises(ValueError, match="kv_dtype"):
