@@ -110,12 +110,28 @@ async def _health(args: argparse.Namespace) -> int:
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def _client_parser(name: str, what: str) -> argparse.ArgumentParser:
+def client_parser(name: str, what: str) -> argparse.ArgumentParser:
+    """The flags of `tierkv-server stats` and `tierkv-server health`."""
     p = argparse.ArgumentParser(prog=f"tierkv-server {name}", description=what)
-    p.add_argument("--target", required=True, help="HOST:PORT")
-    p.add_argument("--token", help="bearer token (default: none)")
-    p.add_argument("--tls-ca", help="CA certificate (PEM) for a TLS server")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--target", required=True, help="HOST:PORT of the server (required)")
+    p.add_argument("--token", help="bearer token, when the server has auth (default: none)")
+    p.add_argument(
+        "--tls-ca", help="CA certificate (PEM) of a TLS server (default: none, plaintext)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5.0)"
+    )
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`tierkv-server [serve]`: one flag per knob of ServerConfig."""
+    p = argparse.ArgumentParser(
+        prog="tierkv-server",
+        description="the tierkv gRPC cache server; `tierkv-server stats|health --help` for the "
+        "client commands",
+    )
+    cfg.add_arguments(p)
     return p
 
 
@@ -123,14 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["health"]:
         return asyncio.run(
-            _health(_client_parser("health", "check a server's health").parse_args(argv[1:]))
+            _health(client_parser("health", "check a server's health").parse_args(argv[1:]))
         )
     if argv[:1] == ["stats"]:
         return asyncio.run(
-            _stats(_client_parser("stats", "print a server's stats").parse_args(argv[1:]))
+            _stats(client_parser("stats", "print a server's stats").parse_args(argv[1:]))
         )
-    p = argparse.ArgumentParser(prog="tierkv-server", description="the tierkv gRPC cache server")
-    cfg.add_arguments(p)
+    p = build_parser()
     args = p.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

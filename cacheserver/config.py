@@ -9,7 +9,9 @@ storage_backends' parse_size); tokens map bearer tokens to namespaces.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, replace
 from pathlib import Path
@@ -18,10 +20,13 @@ from typing import Any
 import yaml
 
 from tierkv.storage_backends.build import ConfigError, TiersConfig, flat_fields, nest
+from tierkv.storage_backends.knobs import default_of, field_docs, format_default
 from tierkv.storage_backends.names import check_namespace
 from tierkv.storage_backends.sizes import MiB, parse_size
 
 __all__ = ["ConfigError", "ServerConfig", "add_arguments", "knobs", "load", "parse_tokens"]
+
+log = logging.getLogger("tierkv.server")
 
 # Tier knobs a server does not take: it has no gpu tier, and its disk tier is in cache_dir.
 NOT_SERVER_KNOBS = ("gpu_bytes", "disk_dir")
@@ -63,7 +68,13 @@ class ServerConfig:
     # The tiers (each knob is documented in TiersConfig): a size of 0 leaves that tier out;
     # the disk tier lives in cache_dir/disk unless tiers.disk_dir says otherwise.
     tiers: TiersConfig = field(default_factory=TiersConfig)
-    tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> ns; empty: no auth
+    # Bearer tokens: TOKEN=NAMESPACE[,TOKEN=NAMESPACE...] (each token 8+ characters); none:
+    # no auth, one namespace. On a command line every local user reads them in `ps`: prefer
+    # tokens_file.
+    tokens: dict[str, str] = field(default_factory=dict)
+    # A file of TOKEN=NAMESPACE lines (# comments) read at start and merged under tokens;
+    # refused when its group or others have any permission on it (chmod 600).
+    tokens_file: str = ""
     tls_cert: str = ""  # PEM certificate; with tls_key turns TLS on
     tls_key: str = ""  # PEM private key
     metrics_port: int = 0  # Prometheus HTTP port (0: off)
@@ -79,9 +90,9 @@ class ServerConfig:
     # The same-host data plane (loads over shared memory, docs/server.md): its Unix socket,
     # "auto" for <cache_dir>/data-<port>.sock, "" to turn it off.
     data_socket: str = "auto"
-    # The data plane's TCP port, for clients on other hosts (payload inline on a plain socket,
-    # authenticated by the bearer token): 0 picks a free one (announced over gRPC), -1 turns it
-    # off. Off whenever TLS is on: bulk bytes never travel unencrypted beside a TLS server.
+    # The data plane's TCP port, for clients on other hosts (payload inline on a socket,
+    # authenticated by the bearer token; TLS with the gRPC port's certificate when TLS is on):
+    # 0 picks a free one (announced over gRPC), -1 turns it off.
     data_port: int = 0
     shm_region_bytes: int = 256 * MiB  # each data plane session's shared-memory region
     max_sessions: int = 64  # data plane sessions at once, server-wide
@@ -170,17 +181,40 @@ def _coerce(knob: Field, raw: Any) -> Any:
         raise ConfigError(f"{name}: bad value {raw!r}") from e
 
 
+def read_tokens_file(path: str) -> dict[str, str]:
+    """TOKEN=NAMESPACE lines of a file only its owner may read; ConfigError otherwise."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"tokens_file {path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(
+                f"tokens_file {path}: its group or others have access (mode "
+                f"{stat.S_IMODE(st.st_mode):o}); chmod 600 it"
+            )
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"tokens_file {path}: {e.strerror}") from None
+    items = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    return parse_tokens(",".join(items))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """One --flag per knob (default None, so unset flags fall back to env and YAML)."""
-    p.add_argument("--config", help="YAML file with any of the knobs below")
+    """One --flag per knob, its help from the knob's documentation (default None, so unset
+    flags fall back to env and YAML; the help shows the knob's own default)."""
+    p.add_argument(
+        "--config", help="YAML file with any of the knobs below (default: $TIERKV_CONFIG, none)"
+    )
+    docs = {**field_docs(TiersConfig), **field_docs(ServerConfig)}
     for f in knobs():
         flag = "--" + f.name.replace("_", "-")
+        shown = format_default(f.name, default_of(f))
+        text = f"{docs[f.name]} (default: {shown}; env TIERKV_{f.name.upper()})"
+        text = text.replace("%", "%%")
         if f.type == "bool":
-            p.add_argument(flag, action="store_const", const=True, default=None)
-        elif f.name == "tokens":
-            p.add_argument(flag, help="TOKEN=NAMESPACE[,TOKEN=NAMESPACE...]")
+            p.add_argument(flag, action="store_const", const=True, default=None, help=text)
         else:
-            p.add_argument(flag)
+            p.add_argument(flag, help=text)
 
 
 def load(
@@ -204,4 +238,9 @@ def load(
     unknown = set(values) - set(known)
     if unknown:
         raise ConfigError(f"unknown config keys: {sorted(unknown)}")
+    if args is not None and getattr(args, "tokens", None) is not None:
+        log.warning("--tokens: every local user reads a command line; use --tokens-file")
+    if values.get("tokens_file"):
+        from_file = read_tokens_file(str(values["tokens_file"]))
+        values["tokens"] = {**from_file, **parse_tokens(values.get("tokens") or {})}
     return ServerConfig(**nest({k: _coerce(known[k], v) for k, v in values.items()}))
