@@ -181,6 +181,16 @@ def _coerce(knob: Field, raw: Any) -> Any:
         raise ConfigError(f"{name}: bad value {raw!r}") from e
 
 
+def knobs_markdown() -> str:
+    """docs/server.md's table of knobs, made from the same documentation as --help."""
+    docs = {**field_docs(TiersConfig), **field_docs(ServerConfig)}
+    rows = ["| knob (flag, `TIERKV_` variable) | default | meaning |", "|---|---|---|"]
+    for f in knobs():
+        text = docs[f.name].replace("|", "\\|")
+        rows.append(f"| `{f.name}` | {format_default(f.name, default_of(f))} | {text} |")
+    return "\n".join(rows)
+
+
 def read_tokens_file(path: str) -> dict[str, str]:
     """TOKEN=NAMESPACE lines of a file only its owner may read; ConfigError otherwise."""
     try:

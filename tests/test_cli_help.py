@@ -63,3 +63,14 @@ def test_help_renders() -> None:
             if isinstance(a, argparse._SubParsersAction):
                 for sub in a.choices.values():
                     assert "(default: " in sub.format_help()
+
+
+def test_the_server_docs_table_is_the_knobs() -> None:
+    """docs/server.md's table of knobs is made from the same documentation as --help."""
+    from pathlib import Path
+
+    from tierkv.cacheserver.config import knobs_markdown
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "server.md").read_text()
+    table = text.split("knobs_markdown() -->\n", 1)[1].split("\n<!-- /knobs -->", 1)[0]
+    assert table == knobs_markdown(), "regenerate it with knobs_markdown()"
