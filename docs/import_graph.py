@@ -15,8 +15,9 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # Files that assemble a process (a CLI, the HTTP server) and so may wire a part in from above:
-# the engine's `tierkv-engine` attaches the connector. Drawn dashed; the core never does.
-ENTRY = ("engine/cli.py", "engine/serve/")
+# `tierkv-engine` attaches the connector and reads the tier knobs' documentation. Drawn dashed;
+# the core never does.
+ENTRY = ("engine/cli", "engine/serve/")
 # The allowed directions (DESIGN.md); tests/test_package.py checks the code against them.
 ALLOWED = {
     "kernels": set(),
@@ -107,7 +108,7 @@ def draw(out: Path) -> None:
     ax.set_axis_off()
     ax.set_title(
         "tierkv: who imports whom (importer -> imported; width: files;\n"
-        "dashed: an entry point, tierkv-engine, wiring in the connector)"
+        "dashed: the entry point tierkv-engine wiring in the connector and the tier knobs)"
     )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
