@@ -61,6 +61,7 @@ class SavePlan:
     tokens: np.ndarray  # this chunk's tokens
     staging: torch.Tensor  # [L, 2, T, H, D] in the storage dtype, filled layer by layer
     scales: torch.Tensor | None  # [L, 2, H] for fp8 storage
+    head: int = 0  # a part of a chunk (tierkv.vllm's KV head parts): its first head in the cache
 
 
 @dataclass(slots=True)

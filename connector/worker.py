@@ -58,10 +58,16 @@ class WorkerCore:
         self.kv = kv
 
     def stage(
-        self, request_id: str, block_ids: torch.Tensor, chunk: Chunk, tokens: np.ndarray
+        self,
+        request_id: str,
+        block_ids: torch.Tensor,
+        chunk: Chunk,
+        tokens: np.ndarray,
+        head: int = 0,
     ) -> SavePlan | None:
-        """A save of chunk with its staging buffer, or None (counted as dropped) while
-        max_pending_saves chunks wait for their put or before the cache is registered."""
+        """A save of chunk (of layout.num_kv_heads heads from the cache's `head` on) with its
+        staging buffer, or None (counted as dropped) while max_pending_saves segments wait for
+        their put or before the cache is registered."""
         with self.lock:
             if self.kv is None or self.pending >= self.config.max_pending_saves:
                 self.stats.save_dropped += 1
@@ -71,7 +77,7 @@ class WorkerCore:
         kv, lay, n = self.kv, self.kv.layout, chunk.end - chunk.start
         staging = torch.empty(lay.num_layers, 2, n, lay.num_kv_heads, lay.head_dim, dtype=kv.dtype)
         scales = torch.empty(lay.num_layers, 2, lay.num_kv_heads) if kv.scaled else None
-        return SavePlan(request_id, block_ids, chunk, tokens, staging, scales)
+        return SavePlan(request_id, block_ids, chunk, tokens, staging, scales, head)
 
     def bind(self, saves: list[SavePlan]) -> None:
         """The step's staged saves: save_layer gathers each layer into them."""
@@ -221,7 +227,8 @@ def book(
 ) -> set[int]:
     """After a step: count what each plan loaded (per tier) or left to recompute, and return the
     blocks the engine must recompute. A blend segment that failed before any scatter is not
-    among them: the blend computed its tokens in full."""
+    among them: the blend computed its tokens in full. A chunk loaded as several parts (KV
+    heads, one after another in the plan) counts its tokens once."""
     failed: set[int] = set()
     for p in job.plans:
         st = states.get(p.request_id)
@@ -233,7 +240,11 @@ def book(
             if not (p.rotate and not job.scattering):
                 first = p.failed_from // block_size
                 failed.update(int(b) for b in p.block_ids[first : -(-p.end // block_size)].tolist())
+        last = -1
         for c, tier in zip(p.chunks, p.tiers):
+            if c.index == last:  # another part of the chunk just counted
+                continue
+            last = c.index
             n = max(0, min(stop, c.end) - max(p.start, c.start))
             stats.loaded_tokens += n
             if st is not None and n:

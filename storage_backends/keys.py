@@ -4,6 +4,8 @@ prefix keys (chained):   k_0 = H(salt || tokens_0),  k_i = H(k_{i-1} || tokens_i
 segment keys (position-free):  H(salt || b"segment" || tokens)
 segment keys after a declared shared prefix P:
     H(salt || b"after-prefix" || prefix_key(P) || tokens)
+KV head parts of a chunk (the chunk stored as one segment per KV head):
+    H(b"kv-head" || chunk_key || head as u32)
 where salt = Salt.digest() (16 bytes), tokens are little-endian int32 bytes and prefix_key(P)
 is the chained key of P's last chunk (partial when P is not chunk-aligned).
 """
@@ -75,6 +77,14 @@ def as_tokens(tokens) -> np.ndarray:
     if arr.dtype != np.dtype("<i4") and (int(arr.min()) < 0 or int(arr.max()) >= 2**31):
         raise ValueError("token ids must be in [0, 2**31)")
     return np.ascontiguousarray(arr, dtype="<i4")
+
+
+def head_key(key: bytes, head: int) -> bytes:
+    """The key of KV head `head` of the chunk keyed `key`, when the chunk is stored as one
+    segment per KV head (any tensor-parallel layout reads and writes the same parts)."""
+    if len(key) != KEY_NBYTES or not 0 <= head < 2**32:
+        raise ValueError(f"a head part needs a {KEY_NBYTES}-byte key and a u32 head")
+    return xxhash.xxh3_128_digest(b"kv-head" + key + struct.pack("<I", head))
 
 
 class ChunkHasher:

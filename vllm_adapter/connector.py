@@ -33,6 +33,7 @@ from tierkv.connector.loop import LoopThread
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
+from tierkv.vllm.ranks import Heads
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
 from tierkv.vllm.stats import Reporter, TierKVStats
 from tierkv.vllm.worker import WorkerSide
@@ -74,16 +75,22 @@ class TierKVConnector(KVConnectorBase_V1):
                 cfg.save_partial_chunks,
                 cfg.save,
                 cfg.lookup_timeout_s,
+                vllm_config.model_config.get_total_num_kv_heads(),
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         else:
             store = self.loop.run(_build(cfg))
-            self.worker = WorkerSide(WorkerCore(self.loop, store, cfg), self.salt.fingerprint())
+            pc = vllm_config.parallel_config
+            rank = pc.rank % pc.tensor_parallel_size
+            total = vllm_config.model_config.get_total_num_kv_heads()
+            heads = Heads.of(rank, pc.tensor_parallel_size, total)
+            core = WorkerCore(self.loop, store, cfg)
+            self.worker = WorkerSide(core, self.salt.fingerprint(), heads)
             if cfg.metrics_port:
                 from tierkv.connector.metrics import serve_metrics
 
-                serve_metrics(self.worker.core, cfg.metrics_port)
+                serve_metrics(core, cfg.metrics_port + rank)  # one port per rank
 
     # -- worker side -----------------------------------------------------------------------
     def _w(self) -> WorkerSide:
@@ -94,14 +101,14 @@ class TierKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Once at start: the layout is found from the tensors' shapes; the CPU backend's K
         packing is measured with its own writer on a scratch block."""
-        mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
+        mc = self._vllm_config.model_config
         layers = self._vllm_config.compilation_config.static_forward_context
 
         def write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Any) -> None:
             layer = layers[next(iter(kv_caches))]
             layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
 
-        self._w().register(kv_caches, mc.get_num_kv_heads(pc), mc.get_head_size(), write)
+        self._w().register(kv_caches, mc.get_head_size(), write)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -112,7 +119,7 @@ class TierKVConnector(KVConnectorBase_V1):
         """Start this step's loads on the connector's thread; returns at once."""
         meta = self._get_connector_metadata()
         if isinstance(meta, TierKVMetadata):
-            self._w().core.start_load(meta.loads)
+            self._w().start_load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this layer's loads are in the blocks (or were given up)."""

@@ -21,6 +21,7 @@ from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState
 from tierkv.connector.requests import prefix_chunks, record_lookup
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
+from tierkv.vllm.ranks import chunk_tiers, part_keys
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -63,9 +64,11 @@ class SchedulerSide:
         partial: bool,
         save: bool,
         lookup_timeout_s: float,
+        heads: int = 1,  # the model's KV heads: each chunk is stored as one part per head
     ) -> None:
         self.loop, self.store, self.hasher, self.ns = loop, store, hasher, namespace
         self.partial, self.save, self.lookup_timeout_s = partial, save, lookup_timeout_s
+        self.heads = heads
         self.stats = ConnectorStats()
         self.tracked: dict[str, Tracked] = {}
         self.pending_loads: list[LoadPlan] = []
@@ -81,7 +84,8 @@ class SchedulerSide:
 
     def matched(self, request: Any, num_computed_tokens: int) -> int:
         """Prompt tokens after num_computed_tokens whose chunks the shared tier holds (never
-        the last prompt token)."""
+        the last prompt token). A chunk counts only when every KV head's part (every rank's)
+        is present: one lookup of all parts."""
         tr = self._track(request)
         st = tr.state
         tr.lookup_from = num_computed_tokens
@@ -89,9 +93,9 @@ class SchedulerSide:
             return 0
         self.stats.lookups += 1
         try:
-            where = self.loop.run(
-                self.store.locate([c.key for c in st.chunks], self.ns), self.lookup_timeout_s
-            )
+            keys = part_keys(st.chunks, self.heads)
+            found = self.loop.run(self.store.locate(keys, self.ns), self.lookup_timeout_s)
+            where = chunk_tiers(found, self.heads)
         except Exception as e:  # a slow or failing store is a miss
             log.warning("tierkv lookup failed (%r): miss", e)
             where = [None] * len(st.chunks)

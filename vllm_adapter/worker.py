@@ -1,5 +1,6 @@
 """Worker side: tierkv.connector.worker's core over vLLM's paged layouts (found from the
-registered tensors), vLLM's layer names, and its metadata's saves.
+registered tensors), vLLM's layer names, and its metadata's saves. Each rank saves and loads
+the KV head parts (tierkv.vllm.ranks) of the heads its cache holds, and nothing else.
 
 Safety contract: the core's (tierkv.connector.transfer.PagedKV): nothing reaches vLLM's cache
 before its segment passed the tier's checksum and the header check, and a load that fails,
@@ -16,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.connector.plan import SavePlan
+from tierkv.connector.plan import LoadPlan, SavePlan
 from tierkv.connector.transfer import Layout, LoadJob, PagedKV
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.segment import KVSegment, dtype_name
 from tierkv.vllm import layout as paged_io
 from tierkv.vllm.layout import PagedLayout, detect_layout, probe_tiles
+from tierkv.vllm.ranks import Heads
 from tierkv.vllm.scheduler import TierKVMetadata
 
 log = logging.getLogger("tierkv.vllm")
@@ -30,8 +32,9 @@ Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 
 @dataclass(slots=True, eq=False)
 class VllmKV(PagedKV):
-    """vLLM's paged cache, one tensor per layer in any layout detect_layout knows; KV is
-    stored in the cache's own dtype."""
+    """vLLM's paged cache, one tensor per layer in any layout detect_layout knows, holding
+    `paged.num_kv_heads` heads; each segment is a part of `layout.num_kv_heads` of them (its
+    plans' parts in head order). KV is stored in the cache's own dtype."""
 
     layout: Layout
     dtype: torch.dtype
@@ -40,18 +43,28 @@ class VllmKV(PagedKV):
     caches: list[torch.Tensor]
 
     def gather(self, saves: list[SavePlan], layer: int, kv_layer: torch.Tensor) -> None:
+        n, last, kv = self.layout.num_kv_heads, None, None
         for p in saves:
-            kv = paged_io.gather(self.paged, kv_layer, p.block_ids, p.chunk.start, p.chunk.end)
-            p.staging[layer].copy_(kv)
+            at = (p.request_id, p.chunk.index)
+            if at != last:  # the parts of one chunk follow each other: gather it once
+                kv = paged_io.gather(self.paged, kv_layer, p.block_ids, p.chunk.start, p.chunk.end)
+                last = at
+            assert kv is not None
+            p.staging[layer].copy_(kv[:, :, p.head : p.head + n])
 
     def scatter(self, job: LoadJob, segs: list[list[KVSegment]], layer: int) -> None:
-        cache = self.caches[layer]
+        cache, n = self.caches[layer], self.paged.num_kv_heads // self.layout.num_kv_heads
         for plan, good in zip(job.plans, segs):
             stop = plan.end if plan.failed_from is None else plan.failed_from
-            for seg, c in zip(good, plan.chunks):
+            # good holds whole chunks: a failed part stops its plan at its chunk's start
+            for i in range(0, len(good) - n + 1, n):
+                c = plan.chunks[i]
                 lo, hi = max(plan.start, c.start), min(stop, c.end)
                 if hi > lo:
-                    part = seg.layer(layer)[:, lo - c.start : hi - c.start]
+                    parts = [
+                        s.layer(layer)[:, lo - c.start : hi - c.start] for s in good[i : i + n]
+                    ]
+                    part = parts[0] if n == 1 else torch.cat(parts, dim=2)
                     paged_io.scatter(self.paged, cache, part, plan.block_ids, lo)
 
 
@@ -61,17 +74,18 @@ class WorkerSide:
 
     core: WorkerCore
     fingerprint: bytes  # the salt's: every segment this worker reads or writes carries it
+    heads: Heads  # the KV heads this rank holds
     index: dict[str, int] = field(default_factory=dict)  # layer name -> layer
     had_saves: set[str] = field(default_factory=set)  # requests the scheduler holds blocks for
     closing: set[str] = field(default_factory=set)  # finished requests waiting for their saves
 
     def register(
-        self, kv_caches: dict[str, torch.Tensor], heads: int, head_dim: int, write: Writer | None
+        self, kv_caches: dict[str, torch.Tensor], head_dim: int, write: Writer | None
     ) -> None:
         self.index = {name: i for i, name in enumerate(kv_caches)}
         caches = list(kv_caches.values())
         first = caches[0]
-        paged = detect_layout(first, heads, head_dim)
+        paged = detect_layout(first, self.heads.count, head_dim)
         if any(t.shape != first.shape or t.dtype != first.dtype for t in caches):
             raise ValueError("tierkv.vllm needs every layer's KV tensor alike (one KV group)")
         if paged.kind == "cpu_heads_first":
@@ -81,19 +95,35 @@ class WorkerSide:
         name = dtype_name(first.dtype)
         if name is None:
             raise ValueError(f"no segment can hold a {first.dtype} cache")
-        layout = Layout(len(caches), heads, head_dim, name, self.fingerprint, paged.block_size)
+        layout = Layout(len(caches), 1, head_dim, name, self.fingerprint, paged.block_size)
         self.core.register(VllmKV(layout, first.dtype, False, paged, caches))
-        log.info("tierkv.vllm: %d layers, layout %s %s", len(caches), paged.kind, list(first.shape))
+        h = self.heads
+        log.info(
+            "tierkv.vllm: %d layers, layout %s %s, KV heads [%d, %d) of %d",
+            len(caches),
+            paged.kind,
+            list(first.shape),
+            h.first,
+            h.first + h.count,
+            h.total,
+        )
 
     def bind(self, meta: TierKVMetadata) -> None:
         """A new step: stage its saves (the buffers the forward's layers are copied into)."""
         staged = []
         for s in meta.saves:
-            self.had_saves.add(s.request_id)
-            plan = self.core.stage(s.request_id, s.block_ids, s.chunk, s.tokens)
-            if plan is not None:
-                staged.append(plan)
+            self.had_saves.add(s.request_id)  # reported by every rank, saving or not
+            if not self.heads.saves:  # a replica of a head another rank saves
+                continue
+            for j, part in enumerate(self.heads.parts(s.chunk)):
+                plan = self.core.stage(s.request_id, s.block_ids, part, s.tokens, head=j)
+                if plan is not None:
+                    staged.append(plan)
         self.core.bind(staged)
+
+    def start_load(self, loads: list[LoadPlan]) -> None:
+        """The step's loads over this rank's parts of their chunks."""
+        self.core.start_load([self.heads.plan(p) for p in loads])
 
     def wait_layer(self, name: str) -> None:
         self.core.wait_layer(self.index[name])

@@ -38,7 +38,7 @@ def test_redis_cross_process_under_chunked_prefill_and_preemption(redis_url, tin
     a = Engine(tiny, extra(redis_url)).start()
     try:
         saved = a.generate(PROMPTS[:2], max_tokens=16)
-        a.wait_saved(8)  # 3 full chunks + 1 partial each
+        a.wait_saved(2 * 8)  # 2 KV head parts of 3 full chunks + 1 partial each
     finally:
         a.close()
     b = Engine(tiny, extra(redis_url), knobs=dict(SMALL)).start()

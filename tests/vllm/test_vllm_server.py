@@ -51,7 +51,7 @@ def cold_a(server: ServerProcess, tiny: Path) -> list[list[int]]:
     a = Engine(tiny, extra(server, "tok-a-123456")).start()
     try:
         out = a.generate([P1, P2])
-        a.wait_saved(5 + 4)  # P1: 4 full chunks + 1 partial; P2: 3 + 1
+        a.wait_saved(2 * (5 + 4))  # 2 KV head parts of P1's 4 + 1 chunks, P2's 3 + 1
     finally:
         a.close()
     return out
@@ -85,10 +85,16 @@ def file_of(server: ServerProcess, tokens: list[int], timeout: float = 60) -> Pa
     raise AssertionError("no stored segment holds these tokens")
 
 
-def stored(server: ServerProcess, s: list[int]) -> None:
-    """Wait until the server holds every chunk of s (the last one partial)."""
+def stored(server: ServerProcess, s: list[int], timeout: float = 60) -> None:
+    """Wait until the server holds every chunk of s (the last one partial), each as one part
+    per KV head."""
+    deadline = time.monotonic() + timeout
     for a in range(0, len(s), CHUNK):
-        file_of(server, s[a : a + CHUNK])
+        while (
+            sum(g.tokens.tolist() == s[a : a + CHUNK] for g in segment_files(server).values()) < 2
+        ):
+            assert time.monotonic() < deadline, "the server does not hold every part"
+            time.sleep(0.1)
 
 
 async def replace(server: ServerProcess, seg: KVSegment) -> None:
