@@ -75,12 +75,14 @@ def smollm2_checkpoint(path: Path) -> tuple[Path, Any]:
 @dataclass
 class Engine:
     """One vLLM process with tierkv.vllm (extra: kv_connector_extra_config; None: no
-    connector); its worker serves the connector's metrics on metrics_port."""
+    connector); its worker serves the connector's metrics on metrics_port (TP rank r on
+    metrics_port + r)."""
 
     model: Path
     extra: dict[str, Any] | None
     dtype: str = "float32"
     knobs: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # over ENV
     log: Path | None = None
     metrics_port: int = 0
     proc: subprocess.Popen | None = None
@@ -106,7 +108,7 @@ class Engine:
             stderr=self._err,
             text=True,
             cwd=ROOT,
-            env={**os.environ, **ENV},
+            env={**os.environ, **ENV, **self.env},
         )
         self._read(timeout)
         return self
@@ -139,9 +141,10 @@ class Engine:
     def reset(self) -> None:
         assert self.send({"op": "reset"})["ok"], "vLLM's prefix cache could not be reset"
 
-    def metrics(self) -> dict[str, float]:
-        """The worker's tierkv_connector_* counters (Prometheus text format)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+    def metrics(self, rank: int = 0) -> dict[str, float]:
+        """A worker's tierkv_connector_* counters (Prometheus text format); rank r of a
+        tensor-parallel engine serves them on metrics_port + r."""
+        url = f"http://127.0.0.1:{self.metrics_port + rank}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         out = {}
         for line in text.splitlines():
