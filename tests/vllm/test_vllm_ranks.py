@@ -1,11 +1,13 @@
 """Tensor-parallel ranks without an engine: which heads a rank holds, the per-head part keys,
 the lookup that needs every part, KV saved by a TP=1 worker loading into TP=2 ranks (each its
 own heads, nothing else) over a real cpu tier, a missing part as a recompute, and every rank
-reporting every finished request, a rank that saved nothing included."""
+reporting every finished request, a rank that saved nothing included; pipeline parallelism
+refused."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, LoadPlan
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import head_key
+from tierkv.vllm.config import connector_config, salt
 from tierkv.vllm.ranks import Heads, chunk_tiers, part_keys
 from tierkv.vllm.scheduler import SaveSpec, TierKVMetadata
 from tierkv.vllm.worker import WorkerSide
@@ -36,6 +39,16 @@ def test_heads_of_each_rank() -> None:
     ]
     with pytest.raises(ValueError, match="do not split"):
         Heads.of(0, 2, 3)
+
+
+def test_pipeline_parallelism_is_refused_at_start() -> None:
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(dtype=torch.float32),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1),
+    )
+    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
+        salt(cfg, connector_config({"remote": "grpc://127.0.0.1:1"}))
 
 
 def test_part_keys_are_the_same_for_every_layout() -> None:
