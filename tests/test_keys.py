@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierkv.storage_backends.keys import ChunkHasher, Salt
+from tierkv.storage_backends.keys import ChunkHasher, Salt, head_key
 
 SALT = Salt(
     "llama-test:abc123:bf16",
@@ -126,3 +126,15 @@ def test_same_keys_in_separate_processes():
         b"".join(h.prefix_keys(t, partial=True)).hex(),
         h.segment_key(t).hex(),
     ]
+
+
+def test_head_keys_bind_the_chunk_and_the_head() -> None:
+    k = ChunkHasher(Salt("m", "f", chunk_size=4)).prefix_keys(np.arange(8))[1]
+    parts = [head_key(k, h) for h in range(8)]
+    assert parts[3] == xxhash.xxh3_128_digest(b"kv-head" + k + (3).to_bytes(4, "little"))
+    assert len(set(parts)) == 8 and k not in parts
+    assert head_key(bytes(16), 0) != head_key(bytes(15) + b"\x01", 0)
+    with pytest.raises(ValueError, match="u32 head"):
+        head_key(k[:8], 0)
+    with pytest.raises(ValueError, match="u32 head"):
+        head_key(k, -1)
