@@ -14,6 +14,9 @@ Safety contract (what vLLM may rely on):
 - Keys are salted with vLLM as the engine, the model's KV-shaping config, its dtype, a digest
   of its weight files, the chunk size and the namespace: KV of another model, dtype, engine or
   tenant never loads.
+- Under tensor parallelism each rank moves only its KV heads' parts (tierkv.vllm.ranks), the
+  scheduler counts a chunk only when every part is stored, and every rank names each request
+  with saves in `get_finished` once; a rank's failed load is recomputed on every rank.
 """
 
 from __future__ import annotations
