@@ -99,6 +99,18 @@ async def measure(target: str, model: str, tokens: int, parts: int, repeat: int)
     }
 
 
+def plot(rows: list[dict[str, Any]]) -> Any:
+    """Stream time of a chunk's layers: whole chunks against one segment per KV head."""
+
+    def draw(ax: Any) -> None:
+        labels = [f"{r['model']}, {r['segments_per_chunk']}/chunk" for r in rows]
+        ax.bar(labels, [r["stream_s"] * 1e3 for r in rows], color="tab:blue")
+        ax.set_ylabel(f"stream of {rows[0]['tokens']} tokens, ms (median)")
+        ax.tick_params(axis="x", labelsize=8)
+
+    return draw
+
+
 def main() -> None:
     args = parser(__doc__ or "").parse_args()
     tokens, repeat = (2048, 3) if args.quick else (8192, 5)
@@ -123,7 +135,8 @@ def main() -> None:
                 "x",
             )
         )
-    write_results("kv_parts", {"tokens": tokens, "chunk": CHUNK, "repeat": repeat}, rows, goals)
+    config = {"tokens": tokens, "chunk": CHUNK, "repeat": repeat}
+    write_results("kv_parts", config, rows, goals, plot(rows))
 
 
 if __name__ == "__main__":
