@@ -9,6 +9,7 @@ it. The metadata holds plain data (ids, keys, tokens): the worker makes its own 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class SchedulerSide:
         self.loop, self.store, self.hasher, self.ns = loop, store, hasher, namespace
         self.partial, self.save, self.lookup_timeout_s = partial, save, lookup_timeout_s
         self.stats = ConnectorStats()
+        self.hits: dict[str, int] = {}  # tokens vLLM admitted as external hits, by tier
         self.tracked: dict[str, Tracked] = {}
         self.pending_loads: list[LoadPlan] = []
 
@@ -118,6 +120,23 @@ class SchedulerSide:
                 st.tokens,
             )
         )
+
+    def sources(self, request: Any, n: int, tier_of: Callable[[bytes, str], str]) -> dict[str, int]:
+        """The n tokens vLLM admitted after the lookup's local hit, split by the tier holding
+        each chunk (tier_of(key, shared tier's name)), and counted in `hits`."""
+        tr = self.tracked.get(request.request_id)
+        if tr is None or n <= 0:
+            return {}
+        st, start = tr.state, tr.lookup_from
+        split: dict[str, int] = {}
+        for i, c in enumerate(st.chunks[: st.present]):
+            k = min(c.end, start + n) - max(c.start, start)
+            if k > 0:
+                t = tier_of(c.key, st.tiers[i])
+                split[t] = split.get(t, 0) + k
+        for t, k in split.items():
+            self.hits[t] = self.hits.get(t, 0) + k
+        return split
 
     def build_meta(self, so: Any) -> TierKVMetadata:
         meta = TierKVMetadata(self.pending_loads, [])
