@@ -180,12 +180,20 @@ def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
     # P2 first: the worker's cpu tier still holds its last two chunks, the server all of them
     assert [serve.complete(p) for p in (P2, P1)] == cold[::-1]  # loaded, the same tokens
     after = serve.metrics()
-    # delete one of team-a's chunks on the server: the Watch stream tells the scheduler
+    # one of team-a's chunks on the server deleted, another one corrupted (found when read):
+    # the server's Watch stream tells the scheduler of both
     key = asyncio.run(delete_one(server, P1[:CHUNK]))
+    f, bad = seg_file(server, P2[CHUNK : 2 * CHUNK])
+    data = bytearray(f.read_bytes())
+    data[-7] ^= 0x40
+    f.write_bytes(bytes(data))
+    serve.reset()
+    assert serve.complete(P2) == cold[1]  # the bad chunk and what follows are recomputed
     for i in range(20):  # steps, so that the connector's events get published
         serve.complete(prompt(20, 100 + i))
         events = serve.drain(0.5)
-        if any(isinstance(e, BlockRemoved) and e.block_hashes == [key] for e in events):
+        gone = {e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)}
+        if {key, bad} <= gone:
             break
 
     ours = [e for e in events if getattr(e, "ownership", None) == "tierkv"]
@@ -204,7 +212,8 @@ def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
     assert first.parent_block_hash is None and second.parent_block_hash == first.block_hashes[0]
     assert all(e.block_size == CHUNK and e.ownership == "tierkv" for e in stored)
     assert any(e.medium == "CPU" for e in removed)  # the worker's cpu tier evicted
-    assert any(e.medium == "SERVER" and e.block_hashes == [key] for e in removed)
+    assert any(e.medium == "SERVER" and e.block_hashes == [key] for e in removed)  # deleted
+    assert any(e.medium == "SERVER" and e.block_hashes == [bad] for e in removed)  # corrupt
     seen = {h for e in ours for h in e.block_hashes}
     assert not seen & other  # nothing of team-b
 
@@ -246,15 +255,20 @@ async def other_namespace(server: ServerProcess) -> set[bytes]:
     return keys
 
 
-async def delete_one(server: ServerProcess, tokens: list[int]) -> bytes:
-    d = server.cache_dir / "disk" / "team-a"
-    for f in d.glob("*.tkv"):
+def seg_file(server: ServerProcess, tokens: list[int]) -> tuple[Path, bytes]:
+    """team-a's file on the server holding these tokens, and its key."""
+    for f in (server.cache_dir / "disk" / "team-a").glob("*.tkv"):
         seg = KVSegment.decode(f.read_bytes(), verify=False)
         if seg.tokens.tolist() == tokens:
-            tier = RemoteTier(target=server.target, token="tok-a-123456")
-            try:
-                assert await tier.delete(seg.key)
-            finally:
-                await tier.close()
-            return seg.key
+            return f, seg.key
     raise AssertionError("no stored segment holds these tokens")
+
+
+async def delete_one(server: ServerProcess, tokens: list[int]) -> bytes:
+    _, key = seg_file(server, tokens)
+    tier = RemoteTier(target=server.target, token="tok-a-123456")
+    try:
+        assert await tier.delete(key)
+    finally:
+        await tier.close()
+    return key
