@@ -60,7 +60,7 @@ class Servicer(pb_grpc.TierKVServicer):
     def __post_init__(self) -> None:
         self.auth = Auth(self.config.tokens)
         self.inflight = Inflight(self.config.max_inflight_bytes)
-        self.watch = WatchHub(self.store, self.config.watch_queue)
+        self.watch = WatchHub(self.store, self.config.watch_queue, self.metrics)
 
     def _ns(self, ns: str) -> NsCounters:
         return self.counters.setdefault(ns, NsCounters())

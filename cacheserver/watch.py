@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.store import TieredStore
@@ -30,6 +31,7 @@ class Subscriber:
 class WatchHub:
     store: TieredStore
     queue_size: int
+    metrics: Any = None  # the server's Metrics (watch_dropped, watchers), if any
     subs: dict[str, set[Subscriber]] = field(default_factory=dict)  # ns -> its subscribers
     dropped: int = 0  # events lost server-wide (metrics)
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -62,11 +64,14 @@ class WatchHub:
             except asyncio.QueueFull:
                 s.dropped += 1
                 self.dropped += 1
+                if self.metrics is not None:
+                    self.metrics.watch_dropped.inc()
 
     async def stream(self, ns: str) -> AsyncIterator[bytes]:
         """Serialized WatchEvents of ns until the caller goes away."""
         sub = Subscriber(asyncio.Queue(self.queue_size))
         self.subs.setdefault(ns, set()).add(sub)
+        self._gauge()
         try:
             while True:
                 first = await sub.queue.get()
@@ -83,3 +88,8 @@ class WatchHub:
                 subs.discard(sub)
                 if not subs:
                     del self.subs[ns]
+            self._gauge()
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.watchers.set(self.count())

@@ -122,3 +122,35 @@ async def test_watch_refuses_without_a_token(server: ServerProcess) -> None:
             pass
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     await t.close()
+
+
+async def test_a_slow_watcher_loses_events_counted_and_never_blocks(tmp_path) -> None:
+    from tierkv.cacheserver.metrics import Metrics
+    from tierkv.cacheserver.watch import WatchHub
+    from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+    from tierkv.storage_backends.store import TieredStore
+
+    store = TieredStore([DiskTier(DiskTierConfig(root=str(tmp_path), capacity_bytes=1 << 24))])
+    metrics = Metrics()
+    hub = WatchHub(store, 2, metrics)
+    stream = hub.stream("ns")
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # subscribed, waiting for its first event
+    keys = []
+    for i in range(1, 6):
+        k, seg = segment(i)
+        assert await store.put(k, seg, "ns") and await store.delete(k, "ns")  # never waits
+        keys.append(k)
+    await asyncio.sleep(0.1)  # the removals' checks ran
+    ev = pb.WatchEvent.FromString(await first)
+    got, lost = [r.key for r in ev.removed], ev.dropped
+    while len(got) + lost < len(keys):  # drops happen behind queued events: a message follows
+        ev = pb.WatchEvent.FromString(await asyncio.wait_for(stream.__anext__(), 5))
+        got, lost = got + [r.key for r in ev.removed], lost + ev.dropped
+    # a queue of 2 (and at most one more already handed to the sender): the rest were lost
+    assert got == keys[: len(got)] and len(got) <= 3 and lost == len(keys) - len(got)
+    sample = metrics.registry.get_sample_value
+    assert sample("tierkv_watch_dropped_total") == lost and sample("tierkv_watchers") == 1
+    await stream.aclose()
+    assert hub.count() == 0 and sample("tierkv_watchers") == 0
+    await store.close()
