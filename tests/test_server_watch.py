@@ -154,3 +154,19 @@ async def test_a_slow_watcher_loses_events_counted_and_never_blocks(tmp_path) ->
     await stream.aclose()
     assert hub.count() == 0 and sample("tierkv_watchers") == 0
     await store.close()
+
+
+def test_watch_refuses_a_malformed_request(server: ServerProcess) -> None:
+    auth = [("authorization", "Bearer tok-a-123456")]
+    with grpc.insecure_channel(server.target) as ch:
+        call = ch.unary_stream(
+            "/tierkv.v1.TierKV/Watch",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.WatchEvent.FromString,
+        )
+        bad = ((b"\x08\x01", "unknown fields"), (b"\xff\xff\xff", "not a valid WatchRequest"))
+        for body, words in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(body, metadata=auth, timeout=5))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (err.value.details() or "")

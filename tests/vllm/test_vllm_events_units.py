@@ -5,6 +5,7 @@ fastest tier; queues are bounded; latencies reach the stats."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 
 import msgspec
@@ -79,7 +80,8 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
 
     # the scheduler: the cpu tier's keys attribute hits to "cpu", the rest to the shared tier
     sched = SchedulerEvents(publish=True)
-    sched.from_workers(TierKVEvents(items))
+    # what a rank sends crosses vLLM's process boundary (its executors pickle step outputs)
+    sched.from_workers(pickle.loads(pickle.dumps(TierKVEvents(items))))
     assert sched.tier_of(c.key, "remote") == "cpu"
     assert sched.tier_of(a.key, "remote") == "server"
     assert sched.tier_of(a.key, "redis") == "redis"

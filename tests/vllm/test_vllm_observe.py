@@ -87,7 +87,14 @@ class Serve:
             stdout=self.out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
-            env={**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
+            # as users run it: the engine core in a process of its own; dev mode for
+            # /reset_prefix_cache
+            env={
+                **os.environ,
+                **ENV,
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                "VLLM_SERVER_DEV_MODE": "1",
+            },
         )
         ctx = zmq.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
@@ -221,6 +228,8 @@ def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
     hits = total(d, "vllm:tierkv_hit_tokens_total")
     assert hits == (len(P1) - 1) + (len(P2) - 1)
     assert hits == total(d, "vllm:external_prefix_cache_hits_total")
+    ext = {k: v for k, v in d.items() if 'source="external_kv_transfer"' in k}
+    assert hits == total(ext, "vllm:prompt_tokens_by_source_total")
     cpu = total({k: v for k, v in d.items() if 'tier="cpu"' in k}, "vllm:tierkv_hit_tokens_total")
     assert cpu == len(P2) - 1 - 2 * CHUNK  # P2's third chunk and its partial last one
     host = 'source="host"'
