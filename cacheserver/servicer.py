@@ -60,7 +60,8 @@ class Servicer(pb_grpc.TierKVServicer):
     def __post_init__(self) -> None:
         self.auth = Auth(self.config.tokens)
         self.inflight = Inflight(self.config.max_inflight_bytes)
-        self.watch = WatchHub(self.store, self.config.watch_queue, self.metrics)
+        cfg = self.config
+        self.watch = WatchHub(self.store, cfg.watch_queue, cfg.max_watchers, self.metrics)
 
     def _ns(self, ns: str) -> NsCounters:
         return self.counters.setdefault(ns, NsCounters())
@@ -241,13 +242,9 @@ class Servicer(pb_grpc.TierKVServicer):
             )
 
     async def Watch(self, request: pb.WatchRequest, context) -> AsyncIterator[bytes]:
-        """The caller namespace's removals, open until the caller ends it (max_watchers at
-        once, outside max_streams: a watch is long-lived)."""
+        """The caller namespace's removals, until the caller ends it (cacheserver.watch)."""
         async with self._call("Watch", context) as ns:
             check_known(request)
-            if self.watch.count() >= self.config.max_watchers:
-                limit = self.config.max_watchers
-                raise too_big(f"{self.watch.count()} watchers; max_watchers is {limit}")
             async for m in self.watch.stream(ns):
                 yield m
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.cacheserver.frames import too_big
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.store import TieredStore
 from tierkv.storage_backends.tier import TierChange
@@ -31,6 +32,7 @@ class Subscriber:
 class WatchHub:
     store: TieredStore
     queue_size: int
+    max_watchers: int  # open streams at once, server-wide (outside max_streams: they last)
     metrics: Any = None  # the server's Metrics (watch_dropped, watchers), if any
     subs: dict[str, set[Subscriber]] = field(default_factory=dict)  # ns -> its subscribers
     dropped: int = 0  # events lost server-wide (metrics)
@@ -68,7 +70,10 @@ class WatchHub:
                     self.metrics.watch_dropped.inc()
 
     async def stream(self, ns: str) -> AsyncIterator[bytes]:
-        """Serialized WatchEvents of ns until the caller goes away."""
+        """Serialized WatchEvents of ns until the caller goes away; BadRequest past
+        max_watchers."""
+        if self.count() >= self.max_watchers:
+            raise too_big(f"{self.count()} watchers; max_watchers is {self.max_watchers}")
         sub = Subscriber(asyncio.Queue(self.queue_size))
         self.subs.setdefault(ns, set()).add(sub)
         self._gauge()

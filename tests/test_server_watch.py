@@ -132,7 +132,7 @@ async def test_a_slow_watcher_loses_events_counted_and_never_blocks(tmp_path) ->
 
     store = TieredStore([DiskTier(DiskTierConfig(root=str(tmp_path), capacity_bytes=1 << 24))])
     metrics = Metrics()
-    hub = WatchHub(store, 2, metrics)
+    hub = WatchHub(store, 2, 4, metrics)
     stream = hub.stream("ns")
     first = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)  # subscribed, waiting for its first event
