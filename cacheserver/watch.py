@@ -24,7 +24,7 @@ BATCH = 512  # removals per WatchEvent at most
 
 @dataclass(slots=True, eq=False)
 class Subscriber:
-    queue: asyncio.Queue[TierChange]
+    queue: asyncio.Queue[TierChange | None]  # None: the server is stopping
     dropped: int = 0  # lost since the last message sent
 
 
@@ -78,15 +78,21 @@ class WatchHub:
         self.subs.setdefault(ns, set()).add(sub)
         self._gauge()
         try:
-            while True:
-                first = await sub.queue.get()
-                got = [first]
+            stop = False
+            while not stop:
+                got = [await sub.queue.get()]
                 while len(got) < BATCH and not sub.queue.empty():
                     got.append(sub.queue.get_nowait())
-                removed = [pb.Removed(key=c.key, reason=c.reason, tier=c.tier) for c in got]
-                msg = pb.WatchEvent(removed=removed, dropped=sub.dropped)
-                sub.dropped = 0
-                yield msg.SerializeToString()
+                stop = None in got
+                removed = [
+                    pb.Removed(key=c.key, reason=c.reason, tier=c.tier)
+                    for c in got
+                    if c is not None
+                ]
+                if removed or sub.dropped:
+                    msg = pb.WatchEvent(removed=removed, dropped=sub.dropped)
+                    sub.dropped = 0  # before the yield: drops while it waits go in the next
+                    yield msg.SerializeToString()
         finally:
             subs = self.subs.get(ns)
             if subs is not None:
@@ -94,6 +100,15 @@ class WatchHub:
                 if not subs:
                     del self.subs[ns]
             self._gauge()
+
+    def close(self) -> None:
+        """End every stream (the server is stopping): each ends after what it has queued."""
+        for subs in self.subs.values():
+            for s in subs:
+                if s.queue.full():
+                    s.queue.get_nowait()
+                    s.dropped += 1
+                s.queue.put_nowait(None)
 
     def _gauge(self) -> None:
         if self.metrics is not None:

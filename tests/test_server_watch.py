@@ -170,3 +170,30 @@ def test_watch_refuses_a_malformed_request(server: ServerProcess) -> None:
                 list(call(body, metadata=auth, timeout=5))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert words in (err.value.details() or "")
+
+
+async def test_a_stopping_server_ends_its_watches_at_once() -> None:
+    s = ServerProcess(args=["--tokens", TOKENS]).start()
+    t = RemoteTier(target=s.target, token="tok-a-123456")
+    ended = asyncio.Event()
+
+    async def watch() -> None:
+        try:
+            async for _ in t.watch():
+                pass
+        except grpc.aio.AioRpcError:
+            pass
+        ended.set()
+
+    task = asyncio.create_task(watch())
+    try:
+        await asyncio.sleep(0.5)
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.to_thread(s.stop)  # SIGTERM: a graceful stop (grace_s is 10 s)
+        assert asyncio.get_running_loop().time() - t0 < 5
+        await asyncio.wait_for(ended.wait(), 5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await t.close()
+        s.stop(kill=True)
