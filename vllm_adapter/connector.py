@@ -34,7 +34,15 @@ from tierkv.connector.loop import LoopThread
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
-from tierkv.vllm.events import Outbox, SchedulerEvents, TierKVEvents, follow_server, recorder
+from tierkv.vllm.events import (
+    Outbox,
+    SchedulerEvents,
+    TierKVEvents,
+    announce,
+    follow_server,
+    hit_sources,
+    recorder,
+)
 from tierkv.vllm.prom import TierKVProm
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
 from tierkv.vllm.stats import ObservedStats, Reporter, TierKVStats
@@ -91,7 +99,9 @@ class TierKVConnector(KVConnectorBase_V1):
                 self.watcher = self.loop.submit(follow_server(store.tiers[-1], self.events.box))
         else:
             store = self.loop.run(_build(cfg))
-            store.watch(recorder(self.outbox, cfg.namespace, cfg.chunk_size, publish))
+            hook = recorder(self.outbox, cfg.namespace, cfg.chunk_size, publish)
+            store.watch(hook)
+            announce(store.tiers, hook)  # e.g. a disk tier kept from an earlier run
             core = WorkerCore(self.loop, store, cfg, stats=ObservedStats())
             self.worker = WorkerSide(core, self.salt.fingerprint())
             if cfg.metrics_port:
@@ -224,16 +234,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self, request: Any, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
         """vLLM's admitted external tokens by tier (counted in vllm:tierkv_hit_tokens too)."""
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-        kinds = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST}
-        kinds["disk"] = CacheHitSource.DISK
-        split = self._s().sources(request, num_external_tokens, self.events.tier_of)
-        out: dict[CacheHitSource, int] = {}
-        for t, n in split.items():
-            k = kinds.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED)  # the shared tier
-            out[k] = out.get(k, 0) + n
-        return out
+        return hit_sources(self._s().sources(request, num_external_tokens, self.events.tier_of))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' tier changes of the step (vLLM combines the ranks' into one)."""

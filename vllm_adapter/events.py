@@ -29,6 +29,7 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.storage_backends.tier import TierChange
 
@@ -42,6 +43,16 @@ LOCAL_ORDER = ("gpu", "cpu", "disk")  # the worker's own tiers, fastest first
 def medium(tier: str) -> str:
     """The event medium of a tier's name ("remote" is a tierkv-server)."""
     return "SERVER" if tier == "remote" else tier.upper()
+
+
+def hit_sources(split: dict[str, int]) -> dict[CacheHitSource, int]:
+    """Tokens by tierkv tier -> by vLLM's cache-hit source (the shared tier: unspecified)."""
+    kinds = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+    out: dict[CacheHitSource, int] = {}
+    for t, n in split.items():
+        k = kinds.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        out[k] = out.get(k, 0) + n
+    return out
 
 
 def to_event(c: TierChange, chunk_size: int) -> KVCacheEvent:
@@ -89,6 +100,15 @@ def recorder(box: Outbox, ns: str, chunk_size: int, publish: bool) -> Callable[[
             box.add([(c.tier, c.kind, c.key, to_event(c, chunk_size) if publish else None)])
 
     return hook
+
+
+def announce(tiers: list, hook: Callable[[TierChange], None]) -> None:
+    """Tell hook what the tiers hold already (a disk tier's files found at start), as stored."""
+    for t in tiers:
+        for (ns, key), entry in list(getattr(t, "index", {}).items()):
+            header = getattr(entry, "header", None)
+            if header is not None:
+                hook(TierChange("stored", t.name, ns, key, header))
 
 
 class TierKVEvents(KVConnectorKVEvents):

@@ -15,10 +15,11 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tierkv.cacheserver.launch import RedisProcess
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
-from tierkv.vllm.events import Outbox, SchedulerEvents, TierKVEvents, recorder
+from tierkv.vllm.events import Outbox, SchedulerEvents, TierKVEvents, announce, recorder
 from tierkv.vllm.stats import ObservedStats, Reporter, TierKVStats
 
 T = 64  # tokens per chunk: 2 layers x 2 x 64 x 2 heads x 128 x fp32, two 256 KiB cpu pages
@@ -86,6 +87,23 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
     assert sched.tier_of(a.key, "remote") == "server"
     assert sched.tier_of(a.key, "redis") == "redis"
     assert len(sched.take()) == len(events) and sched.take() == []
+
+
+async def test_a_disk_tier_kept_from_an_earlier_run_is_announced(tmp_path) -> None:
+    first = DiskTier(DiskTierConfig(root=str(tmp_path)))
+    a = seg(0)
+    assert await first.put(a.key, a, "team-a")
+    await first.close()
+    box = Outbox()
+    store = TieredStore([CpuTier(CpuTierConfig(capacity_bytes=1 << 20)), DiskTier(
+        DiskTierConfig(root=str(tmp_path)))])  # fmt: skip
+    hook = recorder(box, "team-a", T, publish=True)
+    store.watch(hook)
+    announce(store.tiers, hook)
+    [(tier, kind, key, ev)] = box.take()
+    assert (tier, kind, key) == ("disk", "stored", a.key) and ev.medium == "DISK"
+    assert ev.token_ids == list(range(T))
+    await store.close()
 
 
 def test_bounds_and_stats() -> None:
