@@ -118,7 +118,8 @@ class Serve:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def complete(self, p: list[int]) -> list[int]:
-        body = {"prompt": p, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+        # 16 steps: a worker's tier events ride the step outputs after its puts end
+        body = {"prompt": p, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
         body["return_token_ids"] = True
         req = urllib.request.Request(
             self._url("/v1/completions"),
@@ -179,7 +180,14 @@ def total(m: dict[str, float], name: str) -> float:
 
 def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
     cold = [serve.complete(p) for p in (P1, P2)]  # the server is empty: cold runs
-    serve.drain(2.0)
+    early = serve.drain(2.0)
+    # published, so the scheduler knows the worker's cpu tier holds P2's third chunk
+    assert any(
+        isinstance(e, BlockStored)
+        and e.medium == "CPU"
+        and e.token_ids == P2[2 * CHUNK : 3 * CHUNK]
+        for e in early
+    )
     # a second client of namespace team-b stores and deletes beside it: never published here
     other = asyncio.run(other_namespace(server))
     serve.reset()
