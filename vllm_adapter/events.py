@@ -84,6 +84,11 @@ class Outbox:
             self.items.extend(events[:room])
             self.dropped += len(events) - min(room, len(events))
 
+    def lost(self, n: int) -> None:
+        """n events lost before they reached this box (the server's queue for this watcher)."""
+        with self.lock:
+            self.dropped += n
+
     def take(self) -> list:
         with self.lock:
             out, self.items = list(self.items), deque()
@@ -152,7 +157,7 @@ async def follow_server(tier: object, box: Outbox) -> None:
                     for r in ev.removed
                 ]  # fmt: skip
                 box.add(items)
-                box.dropped += ev.dropped
+                box.lost(ev.dropped)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the server away or restarting: try again later
