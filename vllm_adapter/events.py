@@ -1,10 +1,11 @@
 """tierkv's tiers in vLLM's KV event channel: each entry stored in or removed from a tier is a
 `BlockStored` / `BlockRemoved` beside vLLM's own GPU blocks.
 
-One event names one tierkv chunk: `block_hashes` is its 16-byte key, `parent_block_hash` the
-previous chunk's key (None for a prompt's first chunk), `token_ids` its tokens and `block_size`
-the chunk size (a prompt's last, partial chunk carries fewer tokens), so a router can rebuild
-the chain from token ids. `medium` is the tier: CPU, DISK, GPU (tierkv's own gpu tier), SERVER
+One event names one tierkv chunk: `block_hashes` is its key (written as vLLM writes its own
+hashes: the low 64 bits as an int by default, see block_hash), `parent_block_hash` the previous
+chunk's (None for a prompt's first chunk), `token_ids` its tokens and `block_size` the chunk
+size (a prompt's last, partial chunk carries fewer tokens), so a router can rebuild the chain
+from token ids. `medium` is the tier: CPU, DISK, GPU (tierkv's own gpu tier), SERVER
 (a tierkv-server) or REDIS; `ownership` is "tierkv", `locality` LOCAL for the worker's own tiers
 and REMOTE for the shared one.
 
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vllm import envs
 from vllm.distributed.kv_events import (
     BlockRemoved,
     BlockStored,
@@ -45,6 +47,14 @@ def medium(tier: str) -> str:
     return "SERVER" if tier == "remote" else tier.upper()
 
 
+def block_hash(key: bytes) -> bytes | int:
+    """A chunk key as vLLM publishes its own block hashes: by default (its
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) the low 64 bits as an int, else the 16 bytes."""
+    if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return int.from_bytes(key, "big") & ((1 << 64) - 1)
+    return key
+
+
 def hit_sources(split: dict[str, int]) -> dict[CacheHitSource, int]:
     """Tokens by tierkv tier -> by vLLM's cache-hit source (the shared tier: unspecified)."""
     kinds = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
@@ -58,12 +68,12 @@ def hit_sources(split: dict[str, int]) -> dict[CacheHitSource, int]:
 def to_event(c: TierChange, chunk_size: int) -> KVCacheEvent:
     where = "REMOTE" if c.tier in REMOTE_TIERS else "LOCAL"
     if c.kind == "removed" or c.header is None:
-        return BlockRemoved([c.key], medium(c.tier), locality=where, ownership=OWNER)
+        return BlockRemoved([block_hash(c.key)], medium(c.tier), locality=where, ownership=OWNER)
     h = c.header
-    parent = None if h.parent == NO_PARENT else h.parent
+    parent = None if h.parent == NO_PARENT else block_hash(h.parent)
     tokens = [int(t) for t in h.tokens]
     return BlockStored(
-        [c.key], parent, tokens, chunk_size, None, medium(c.tier), None,
+        [block_hash(c.key)], parent, tokens, chunk_size, None, medium(c.tier), None,
         locality=where, ownership=OWNER,
     )  # fmt: skip
 
@@ -153,7 +163,7 @@ async def follow_server(tier: object, box: Outbox) -> None:
                 pause = 0.5
                 items = [
                     ("remote", "removed", r.key, BlockRemoved(
-                        [r.key], "SERVER", locality="REMOTE", ownership=OWNER))
+                        [block_hash(r.key)], "SERVER", locality="REMOTE", ownership=OWNER))
                     for r in ev.removed
                 ]  # fmt: skip
                 box.add(items)

@@ -19,7 +19,14 @@ from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
-from tierkv.vllm.events import Outbox, SchedulerEvents, TierKVEvents, announce, recorder
+from tierkv.vllm.events import (
+    Outbox,
+    SchedulerEvents,
+    TierKVEvents,
+    announce,
+    block_hash,
+    recorder,
+)
 from tierkv.vllm.stats import ObservedStats, Reporter, TierKVStats
 
 T = 64  # tokens per chunk: 2 layers x 2 x 64 x 2 heads x 128 x fp32, two 256 KiB cpu pages
@@ -65,19 +72,19 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
     batch = KVEventBatch(ts=0.0, events=events)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch).events
     assert back == events
+    h = {s.key: block_hash(s.key) for s in (a, b, c, seg(9))}
     stored = [(e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockStored)]
-    assert {("CPU", s.key) for s in (a, b, c)} | {("REDIS", s.key) for s in (a, b, c)} == set(
-        stored
-    )
+    want = {(m, h[s.key]) for s in (a, b, c) for m in ("CPU", "REDIS")}
+    assert want == set(stored)
     removed = [(e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockRemoved)]
-    assert ("CPU", a.key) in removed  # the cpu tier (two chunks) evicted the oldest
-    assert ("REDIS", a.key) in removed  # the corrupt value
-    sb = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [b.key])
-    assert sb.parent_block_hash == a.key and sb.token_ids == list(range(T, 2 * T))
+    assert ("CPU", h[a.key]) in removed  # the cpu tier (two chunks) evicted the oldest
+    assert ("REDIS", h[a.key]) in removed  # the corrupt value
+    sb = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [h[b.key]])
+    assert sb.parent_block_hash == h[a.key] and sb.token_ids == list(range(T, 2 * T))
     assert sb.block_size == T and sb.locality == "LOCAL" and sb.ownership == "tierkv"
-    first = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [a.key])
+    first = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [h[a.key]])
     assert first.parent_block_hash is None
-    assert seg(9).key not in {e.block_hashes[0] for e in events if hasattr(e, "block_hashes")}
+    assert h[seg(9).key] not in {e.block_hashes[0] for e in events}
 
     # the scheduler: the cpu tier's keys attribute hits to "cpu", the rest to the shared tier
     sched = SchedulerEvents(publish=True)
@@ -104,6 +111,15 @@ async def test_a_disk_tier_kept_from_an_earlier_run_is_announced(tmp_path) -> No
     assert (tier, kind, key) == ("disk", "stored", a.key) and ev.medium == "DISK"
     assert ev.token_ids == list(range(T))
     await store.close()
+
+
+def test_block_hashes_follow_vllms_setting(monkeypatch) -> None:
+    from vllm import envs
+
+    key = bytes(range(16))
+    assert block_hash(key) == int.from_bytes(key[8:], "big")  # vLLM's default: 64-bit ints
+    monkeypatch.setattr(envs, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", False, raising=False)
+    assert block_hash(key) == key
 
 
 def test_bounds_and_stats() -> None:

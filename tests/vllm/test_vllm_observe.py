@@ -26,6 +26,7 @@ from tests.vllm.harness import ENV, ROOT
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.launch import ServerProcess, free_port
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.vllm.events import block_hash
 
 TOKENS = "tok-a-123456=team-a,tok-b-123456=team-b"
 CHUNK = 64
@@ -208,7 +209,7 @@ def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
         serve.complete(prompt(20, 100 + i))
         events = serve.drain(0.5)
         gone = {e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)}
-        if {key, bad} <= gone:
+        if {block_hash(key), block_hash(bad)} <= gone:
             break
 
     ours = [e for e in events if getattr(e, "ownership", None) == "tierkv"]
@@ -227,10 +228,11 @@ def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
     assert first.parent_block_hash is None and second.parent_block_hash == first.block_hashes[0]
     assert all(e.block_size == CHUNK and e.ownership == "tierkv" for e in stored)
     assert any(e.medium == "CPU" for e in removed)  # the worker's cpu tier evicted
-    assert any(e.medium == "SERVER" and e.block_hashes == [key] for e in removed)  # deleted
-    assert any(e.medium == "SERVER" and e.block_hashes == [bad] for e in removed)  # corrupt
+    assert any(e.medium == "SERVER" and e.block_hashes == [block_hash(key)] for e in removed)
+    assert any(e.medium == "SERVER" and e.block_hashes == [block_hash(bad)] for e in removed)
     seen = {h for e in ours for h in e.block_hashes}
-    assert not seen & other  # nothing of team-b
+    assert all(isinstance(h, int) for h in seen)  # as vLLM's own (VLLM_KV_EVENTS_USE_INT_...)
+    assert not seen & {block_hash(k) for k in other}  # nothing of team-b
 
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     hits = total(d, "vllm:tierkv_hit_tokens_total")
