@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
 from vllm import envs
 from vllm.distributed.kv_events import (
     BlockRemoved,
@@ -171,6 +172,9 @@ async def follow_server(tier: object, box: Outbox) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the server away or restarting: try again later
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.warning("tierkv.vllm: the server has no Watch: no BlockRemoved(SERVER)")
+                return
             log.info("tierkv.vllm: the server's Watch stream ended (%r); retrying", e)
         await asyncio.sleep(pause)
         pause = min(pause * 2, 10.0)
