@@ -17,7 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -263,6 +270,16 @@ class RemoteTier(BaseTier):
         return await self._retry(
             "stats", lambda: self.stub.Stats(pb.StatsRequest(), **self._opts())
         )
+
+    async def watch(self) -> AsyncIterator[pb.WatchEvent]:
+        """The server's removals of this tier's namespace as they happen (the Watch stream, no
+        deadline): until the caller stops iterating; a broken stream raises AioRpcError."""
+        call = self.stub.Watch(pb.WatchRequest(), metadata=bearer(self.token))
+        try:
+            async for ev in call:
+                yield ev
+        finally:
+            call.cancel()
 
     def count(self, ns: str = DEFAULT_NAMESPACE) -> int:
         """Unknown without a call: use server_stats(); 0 here (the interface is synchronous)."""

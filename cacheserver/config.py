@@ -96,6 +96,8 @@ class ServerConfig:
     data_port: int = 0
     shm_region_bytes: int = 256 * MiB  # each data plane session's shared-memory region
     max_sessions: int = 64  # data plane sessions at once, server-wide
+    max_watchers: int = 64  # open Watch streams (eviction events), server-wide
+    watch_queue: int = 4096  # events queued per Watch stream; beyond it they drop, counted
 
     def __post_init__(self) -> None:
         self.check()
@@ -117,6 +119,8 @@ class ServerConfig:
             "max_inflight_bytes",
             "shm_region_bytes",
             "max_sessions",
+            "max_watchers",
+            "watch_queue",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

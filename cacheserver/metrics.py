@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # TierStats fields that only grow; every other numeric field is exported as a gauge.
@@ -71,6 +71,8 @@ class Metrics:
     rpc_total: Counter = field(init=False)
     wire_bytes: Counter = field(init=False)
     rejected: Counter = field(init=False)
+    watch_dropped: Counter = field(init=False)
+    watchers: Gauge = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -86,6 +88,10 @@ class Metrics:
         self.rejected = Counter(
             "tierkv_rejected", "requests refused by limits or validation", ["reason"], registry=r
         )
+        self.watch_dropped = Counter(
+            "tierkv_watch_dropped", "Watch events lost to a watcher's full queue", registry=r
+        )
+        self.watchers = Gauge("tierkv_watchers", "open Watch streams", registry=r)
         r.register(self.tiers)
 
     def update_tiers(self, stats: dict[str, Any]) -> None:

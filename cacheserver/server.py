@@ -18,6 +18,7 @@ from tierkv.cacheserver.dataplane.server import DataPlane
 from tierkv.cacheserver.frames import parser
 from tierkv.cacheserver.metrics import Metrics
 from tierkv.cacheserver.servicer import Servicer
+from tierkv.cacheserver.watch import WatchHub
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.store import TieredStore
 
@@ -83,6 +84,7 @@ class Server:
     health: health.HealthServicer
     port: int
     data: DataPlane | None
+    watch: WatchHub | None = None
 
     @staticmethod
     async def start(
@@ -131,13 +133,15 @@ class Server:
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port:
             metrics.serve(config.metrics_port, config.host)
-        return Server(config, store, metrics, srv, hs, port, data)
+        return Server(config, store, metrics, srv, hs, port, data, servicer.watch)
 
     def refresh_metrics(self) -> None:
         self.metrics.update_tiers({t.name: t.stats() for t in self.store.tiers})
 
     async def stop(self) -> None:
         self.health.enter_graceful_shutdown()
+        if self.watch is not None:  # open watches would hold the grace period to its end
+            self.watch.close()
         await self.grpc_server.stop(self.config.grace_s)
         if self.data is not None:
             await self.data.stop()

@@ -23,6 +23,7 @@ from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.frames import BadRequest, check_keys, check_known, cut, too_big
 from tierkv.cacheserver.metrics import Metrics
 from tierkv.cacheserver.receive import Inflight, PutLimits, receive_put
+from tierkv.cacheserver.watch import WatchHub
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment
@@ -50,6 +51,7 @@ class Servicer(pb_grpc.TierKVServicer):
     metrics: Metrics
     auth: Auth = field(init=False)
     inflight: Inflight = field(init=False)
+    watch: WatchHub = field(init=False)
     streams: int = 0
     data_socket: str = ""  # the data plane's Unix socket, once it listens
     data_port: int = 0  # the data plane's TCP port, once it listens (0: off)
@@ -58,6 +60,8 @@ class Servicer(pb_grpc.TierKVServicer):
     def __post_init__(self) -> None:
         self.auth = Auth(self.config.tokens)
         self.inflight = Inflight(self.config.max_inflight_bytes)
+        cfg = self.config
+        self.watch = WatchHub(self.store, cfg.watch_queue, cfg.max_watchers, self.metrics)
 
     def _ns(self, ns: str) -> NsCounters:
         return self.counters.setdefault(ns, NsCounters())
@@ -236,6 +240,13 @@ class Servicer(pb_grpc.TierKVServicer):
                 region_bytes=self.config.shm_region_bytes,
                 tcp_port=self.data_port,
             )
+
+    async def Watch(self, request: pb.WatchRequest, context) -> AsyncIterator[bytes]:
+        """The caller namespace's removals, until the caller ends it (cacheserver.watch)."""
+        async with self._call("Watch", context) as ns:
+            check_known(request)
+            async for m in self.watch.stream(ns):
+                yield m
 
 
 async def _none() -> AsyncIterator[SegmentLayer]:

@@ -152,3 +152,25 @@ class DataPlaneResponse(_message.Message):
     region_bytes: int
     tcp_port: int
     def __init__(self, unix_socket: _Optional[str] = ..., region_bytes: _Optional[int] = ..., tcp_port: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Removed(_message.Message):
+    __slots__ = ("key", "reason", "tier")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    reason: str
+    tier: str
+    def __init__(self, key: _Optional[bytes] = ..., reason: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("removed", "dropped")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedCompositeFieldContainer[Removed]
+    dropped: int
+    def __init__(self, removed: _Optional[_Iterable[_Union[Removed, _Mapping]]] = ..., dropped: _Optional[int] = ...) -> None: ...

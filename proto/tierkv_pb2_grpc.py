@@ -69,6 +69,11 @@ class TierKVStub:
                 request_serializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneRequest.SerializeToString,
                 response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/tierkv.v1.TierKV/Watch',
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.WatchRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.WatchEvent.FromString,
+                _registered_method=True)
 
 
 class TierKVServicer:
@@ -122,6 +127,15 @@ class TierKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Server stream, open until the caller ends it: the caller namespace's keys as they leave
+        the server (every tier), batched. A subscriber that falls behind loses events, counted in
+        `dropped`; the server never waits for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +173,11 @@ def add_TierKVServicer_to_server(servicer, server):
                     servicer.DataPlane,
                     request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneRequest.FromString,
                     response_serializer=tierkv_dot_proto_dot_tierkv__pb2.DataPlaneResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.WatchRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.WatchEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +369,33 @@ class TierKV:
             '/tierkv.v1.TierKV/DataPlane',
             tierkv_dot_proto_dot_tierkv__pb2.DataPlaneRequest.SerializeToString,
             tierkv_dot_proto_dot_tierkv__pb2.DataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierkv.v1.TierKV/Watch',
+            tierkv_dot_proto_dot_tierkv__pb2.WatchRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,7 +78,8 @@ class IndexedTier(BaseTier, Generic[E]):
     def _corrupt(self, ns: str, key: bytes) -> None:
         """A corrupt or unreadable entry: counted as an error and removed (the caller misses)."""
         self._stats.errors += 1
-        self._remove(ns, key)
+        if self._remove(ns, key):
+            self._changed("removed", ns, key, why="corrupt")
 
     async def _contains(self, ns: str, keys: list[bytes]) -> list[bool]:
         return [(ns, k) in self.index for k in keys]
@@ -118,6 +119,7 @@ class IndexedTier(BaseTier, Generic[E]):
                 self._stats.errors += 1
         self._remove(ns, key)
         self._stats.evictions += 1
+        self._changed("removed", ns, key, why="evicted")
         if seg is not None and self.on_evict is not None:
             self.on_evict(ns, key, seg)
 

@@ -251,7 +251,9 @@ class RedisTier(BaseTier):
     async def _corrupt(self, name: str, e: SegmentError) -> None:
         log.warning("redis tier: dropping corrupt value %s: %s", name, e)
         self._stats.errors += 1
-        await self._call("delete", self.client.delete(name))
+        if await self._call("delete", self.client.delete(name)):
+            _, ns, key = name.split(":", 2)
+            self._changed("removed", ns, bytes.fromhex(key), why="corrupt")
 
     async def close(self) -> None:
         try:

@@ -14,7 +14,7 @@ from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.stats import TierStats
 from tierkv.storage_backends.stream import LayerSink
 from tierkv.storage_backends.stream_merge import Keep, Merge
-from tierkv.storage_backends.tier import SegmentLayer, Tier
+from tierkv.storage_backends.tier import ChangeHook, SegmentLayer, Tier
 from tierkv.storage_backends.write_queue import Job, WriteQueue
 
 
@@ -215,6 +215,12 @@ class TieredStore(Tier):
         return LeaseGroup(
             [t.lease(key, ns) if ttl is None else t.lease(key, ns, ttl) for t in self.tiers]
         )
+
+    def watch(self, hook: ChangeHook | None) -> None:
+        """Every tier's entries coming and going (TierChange, named by the tier) go to hook; a
+        demotion shows as removed from one tier and stored in the next."""
+        for t in self.tiers:
+            t.on_change = hook
 
     def check_integrity(self) -> None:
         """Each tier's check_integrity (InvariantError when one fails)."""

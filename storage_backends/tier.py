@@ -38,6 +38,22 @@ EvictHook = Callable[[str, bytes, KVSegment], None]
 """Called with (ns, key, segment) when a tier evicts an entry; the segment is the caller's."""
 
 
+@dataclass(slots=True)
+class TierChange:
+    """An entry came into a tier or left it (observers: KV events, the server's watch)."""
+
+    kind: str  # "stored" | "removed"
+    tier: str  # the tier's name
+    ns: str
+    key: bytes
+    header: SegmentHeader | None = None  # stored: the segment's header (tokens, parent)
+    reason: str = ""  # removed: "evicted" | "corrupt" | "deleted"
+
+
+ChangeHook = Callable[[TierChange], None]
+"""Called on the tier's event loop, synchronously: it must not block or raise."""
+
+
 class Tier(abc.ABC):
     """One storage tier. Entries are keyed by (ns, key); ns is a tenant and never crosses.
 
@@ -61,6 +77,13 @@ class Tier(abc.ABC):
 
     name: str = "tier"
     on_evict: EvictHook | None = None
+    on_change: ChangeHook | None = None
+
+    def _changed(
+        self, kind: str, ns: str, key: bytes, header: SegmentHeader | None = None, why: str = ""
+    ) -> None:
+        if self.on_change is not None:
+            self.on_change(TierChange(kind, self.name, ns, key, header, why))
 
     @abc.abstractmethod
     async def contains(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> list[bool]: ...
@@ -221,11 +244,15 @@ class BaseTier(Tier):
             self._stats.puts += 1
             self._stats.bytes_in += n
             self._put_lat.add(time.perf_counter() - t0)
+            self._changed("stored", ns, key, segment.header)
         return True
 
     async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool:
         check_namespace(ns)
-        return await self._delete(ns, check_key(key))
+        gone = await self._delete(ns, check_key(key))
+        if gone:
+            self._changed("removed", ns, key, why="deleted")
+        return gone
 
     def stats(self) -> TierStats:
         s = self._stats

@@ -28,6 +28,7 @@ def test_package_and_services() -> None:
         "Delete": (False, False),
         "Stats": (False, False),
         "DataPlane": (False, False),
+        "Watch": (False, True),
     }
     assert hasattr(tierkv_pb2_grpc, "TierKVStub")
 

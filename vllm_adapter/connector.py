@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,13 +37,24 @@ from tierkv.connector.loop import LoopThread
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
-from tierkv.vllm.ranks import Heads
+from tierkv.vllm.events import (
+    Outbox,
+    SchedulerEvents,
+    TierKVEvents,
+    follow_server,
+    hit_sources,
+    recorder,
+)
+from tierkv.vllm.prom import TierKVProm
+from tierkv.vllm.ranks import Heads, PartNames
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
-from tierkv.vllm.stats import Reporter, TierKVStats
+from tierkv.vllm.stats import ObservedStats, Reporter, TierKVStats
 from tierkv.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -65,6 +77,11 @@ class TierKVConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.reporter = Reporter()
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        publish = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        self.events = SchedulerEvents(publish)  # the scheduler's
+        self.outbox = Outbox()  # the worker's: its tiers' changes until the step's output
+        self.watcher: Any = None
         if role == KVConnectorRole.SCHEDULER:
             # The shared tier alone: the worker's local tiers live in its own process.
             remote = dataclasses.replace(cfg.tiers, gpu_bytes=0, cpu_bytes=0, disk_dir=None)
@@ -82,14 +99,20 @@ class TierKVConnector(KVConnectorBase_V1):
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            if publish and hasattr(store.tiers[-1], "watch"):  # a tierkv-server: its removals
+                tier, names = store.tiers[-1], self.sched.names
+                self.watcher = self.loop.submit(follow_server(tier, self.events.box, names))
         else:
             store = self.loop.run(_build(cfg))
             pc = vllm_config.parallel_config
             rank = pc.rank % pc.tensor_parallel_size
             total = vllm_config.model_config.get_total_num_kv_heads()
             heads = Heads.of(rank, pc.tensor_parallel_size, total)
-            core = WorkerCore(self.loop, store, cfg)
-            self.worker = WorkerSide(core, self.salt.fingerprint(), heads)
+            names = PartNames()
+            hook = recorder(self.outbox, cfg.namespace, cfg.chunk_size, publish, names)
+            store.watch(hook)
+            core = WorkerCore(self.loop, store, cfg, stats=ObservedStats())
+            self.worker = WorkerSide(core, self.salt.fingerprint(), heads, names=names)
             if cfg.metrics_port:
                 from tierkv.connector.metrics import serve_metrics
 
@@ -146,11 +169,22 @@ class TierKVConnector(KVConnectorBase_V1):
         """Blocks from the first token each of this step's loads did not deliver."""
         return self._w().core.load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> TierKVEvents | None:
+        """This worker's tiers' changes since the last step (to the scheduler's take_events)."""
+        items = self.outbox.take()
+        return TierKVEvents(items) if items else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Counters changed since the last call: loads and saves from the worker, lookups
-        from the scheduler (vLLM asks both sides)."""
-        side = self.worker.core if self.worker is not None else self.sched
-        return None if side is None else self.reporter.delta(side.stats)
+        """Counters changed since the last call: loads and saves from the worker, lookups and
+        hits by tier from the scheduler (vLLM asks both sides and adds them up)."""
+        if self.worker is not None:
+            extra = {"events_dropped": self.outbox.dropped}
+            return self.reporter.delta(self.worker.core.stats, extra)
+        if self.sched is None:
+            return None
+        extra = {f"hit_tokens.{t}": n for t, n in self.sched.hits.items()}
+        extra["events_dropped"] = self.events.box.dropped
+        return self.reporter.delta(self.sched.stats, extra)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -161,9 +195,22 @@ class TierKVConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return TierKVStats(dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TierKVProm:
+        """tierkv's counters in vLLM's /metrics (tierkv.vllm.prom)."""
+        return TierKVProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         """Put every staged save, drain the write-through to the shared tier, close."""
         try:
+            if self.watcher is not None:
+                self.watcher.cancel()
             if self.worker is not None:
                 self.worker.core.close()
             elif self.sched is not None:
@@ -191,6 +238,22 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._s().build_meta(scheduler_output)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's admitted external tokens by tier (counted in vllm:tierkv_hit_tokens too)."""
+        return hit_sources(self._s().sources(request, num_external_tokens, self.events.tier_of))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' tier changes of the step (vLLM combines the ranks' into one)."""
+        ev = connector_output.kv_cache_events
+        if isinstance(ev, TierKVEvents):
+            self.events.from_workers(ev)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """tierkv's KV events since the last step, for vLLM's publisher."""
+        return self.events.take()
 
     def request_finished(
         self, request: Any, block_ids: list[int]

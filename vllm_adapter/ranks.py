@@ -10,7 +10,9 @@ without knowing the ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from tierkv.connector.plan import Chunk, LoadPlan
 from tierkv.storage_backends.keys import head_key
@@ -70,3 +72,29 @@ def chunk_tiers(where: list[int | None], total: int) -> list[int | None]:
         got = where[i : i + total]
         out.append(None if any(w is None for w in got) else max(w for w in got if w is not None))
     return out
+
+
+@dataclass(slots=True, eq=False)
+class PartNames:
+    """Which chunk each first-head part names, for the KV events: a router knows chunks, not
+    parts, so a chunk is announced (stored, removed) by its head-0 part, under the chunk's own
+    key. Filled from the keys this process saves, loads or looks up; bounded (the oldest go
+    first); used from vLLM's thread and the connector's loop."""
+
+    limit: int = 1 << 16
+    names: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def note(self, chunk_keys: list[bytes]) -> None:
+        with self.lock:
+            for key in chunk_keys:
+                self.names[head_key(key, 0)] = key
+                self.names.move_to_end(head_key(key, 0))
+            while len(self.names) > self.limit:
+                self.names.popitem(last=False)
+
+    def chunk(self, part: bytes) -> bytes | None:
+        """The chunk whose head-0 part is `part`; None for another head's part or a part this
+        process never named."""
+        with self.lock:
+            return self.names.get(part)

@@ -9,6 +9,7 @@ it. The metadata holds plain data (ids, keys, tokens): the worker makes its own 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState
 from tierkv.connector.requests import prefix_chunks, record_lookup
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
-from tierkv.vllm.ranks import chunk_tiers, part_keys
+from tierkv.vllm.ranks import PartNames, chunk_tiers, part_keys
 
 log = logging.getLogger("tierkv.vllm")
 
@@ -69,7 +70,9 @@ class SchedulerSide:
         self.loop, self.store, self.hasher, self.ns = loop, store, hasher, namespace
         self.partial, self.save, self.lookup_timeout_s = partial, save, lookup_timeout_s
         self.heads = heads
+        self.names = PartNames()  # the looked-up chunks' head-0 parts (the server's removals)
         self.stats = ConnectorStats()
+        self.hits: dict[str, int] = {}  # tokens vLLM admitted as external hits, by tier
         self.tracked: dict[str, Tracked] = {}
         self.pending_loads: list[LoadPlan] = []
 
@@ -94,6 +97,7 @@ class SchedulerSide:
         self.stats.lookups += 1
         try:
             keys = part_keys(st.chunks, self.heads)
+            self.names.note([c.key for c in st.chunks])
             found = self.loop.run(self.store.locate(keys, self.ns), self.lookup_timeout_s)
             where = chunk_tiers(found, self.heads)
         except Exception as e:  # a slow or failing store is a miss
@@ -122,6 +126,23 @@ class SchedulerSide:
                 st.tokens,
             )
         )
+
+    def sources(self, request: Any, n: int, tier_of: Callable[[bytes, str], str]) -> dict[str, int]:
+        """The n tokens vLLM admitted after the lookup's local hit, split by the tier holding
+        each chunk (tier_of(key, shared tier's name)), and counted in `hits`."""
+        tr = self.tracked.get(request.request_id)
+        if tr is None or n <= 0:
+            return {}
+        st, start = tr.state, tr.lookup_from
+        split: dict[str, int] = {}
+        for i, c in enumerate(st.chunks[: st.present]):
+            k = min(c.end, start + n) - max(c.start, start)
+            if k > 0:
+                t = tier_of(c.key, st.tiers[i])
+                split[t] = split.get(t, 0) + k
+        for t, k in split.items():
+            self.hits[t] = self.hits.get(t, 0) + k
+        return split
 
     def build_meta(self, so: Any) -> TierKVMetadata:
         meta = TierKVMetadata(self.pending_loads, [])

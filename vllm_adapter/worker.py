@@ -23,7 +23,7 @@ from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.segment import KVSegment, dtype_name
 from tierkv.vllm import layout as paged_io
 from tierkv.vllm.layout import PagedLayout, detect_layout, probe_tiles
-from tierkv.vllm.ranks import Heads
+from tierkv.vllm.ranks import Heads, PartNames
 from tierkv.vllm.scheduler import TierKVMetadata
 
 log = logging.getLogger("tierkv.vllm")
@@ -75,6 +75,7 @@ class WorkerSide:
     core: WorkerCore
     fingerprint: bytes  # the salt's: every segment this worker reads or writes carries it
     heads: Heads  # the KV heads this rank holds
+    names: PartNames = field(default_factory=PartNames)  # head-0 parts -> chunks (events)
     index: dict[str, int] = field(default_factory=dict)  # layer name -> layer
     had_saves: set[str] = field(default_factory=set)  # requests the scheduler holds blocks for
     closing: set[str] = field(default_factory=set)  # finished requests waiting for their saves
@@ -111,6 +112,7 @@ class WorkerSide:
     def bind(self, meta: TierKVMetadata) -> None:
         """A new step: stage its saves (the buffers the forward's layers are copied into)."""
         staged = []
+        self.names.note([s.chunk.key for s in meta.saves])
         for s in meta.saves:
             self.had_saves.add(s.request_id)  # reported by every rank, saving or not
             if not self.heads.saves:  # a replica of a head another rank saves
@@ -123,6 +125,7 @@ class WorkerSide:
 
     def start_load(self, loads: list[LoadPlan]) -> None:
         """The step's loads over this rank's parts of their chunks."""
+        self.names.note([c.key for p in loads for c in p.chunks])
         self.core.start_load([self.heads.plan(p) for p in loads])
 
     def wait_layer(self, name: str) -> None:
