@@ -48,17 +48,20 @@ FULL = Sizes()
 QUICK = replace(
     FULL,
     rounds=1,
-    requests=16,
-    prompt=(64, 512),
-    output=(16, 64),
-    shared=12,
+    requests=12,
+    prompt=(64, 256),
+    output=(16, 48),
+    shared=8,
+    system=512,
+    user=(16, 64),
     shared_output=16,
+    decode_prompt=128,
+    decode_output=24,
     decode_runs=3,
-    decode_output=32,
     sessions=4,
     turns=4,
     reply=24,
-    hf_batch=8,
+    hf_batch=6,
 )
 
 
