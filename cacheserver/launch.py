@@ -8,6 +8,7 @@ what it made for a process (its certificate, its Redis) on the process object.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,11 +19,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
+    """A port of 127.0.0.1 free now, with the `span - 1` after it (a TP engine serves rank r's
+    metrics on port + r). Drawn below the kernel's ephemeral range: a port from bind(0) comes
+    from the range every outgoing connection takes its source port from, so between this call
+    and the server's bind a connection could take it (seen with vLLM, which opens many)."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001 + span) - span)
+        if all(_bindable(port + i) for i in range(span)):
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def wait_port(port: int, timeout: float = 10.0) -> None:

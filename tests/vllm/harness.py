@@ -90,7 +90,8 @@ class Engine:
     def start(self, timeout: float = 240.0) -> Engine:
         extra = None if self.extra is None else dict(self.extra)
         if extra is not None:
-            self.metrics_port = extra.setdefault("metrics_port", free_port())
+            tp = int(self.knobs.get("tensor_parallel_size", 1))
+            self.metrics_port = extra.setdefault("metrics_port", free_port(span=tp))
         self.log = self.log or Path(f"/tmp/tierkv-vllm-{os.getpid()}-{free_port()}.log")
         cmd = [
             sys.executable,
