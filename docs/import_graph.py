@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `tierkv-engine` attaches the connector and reads the tier knobs' documentation. Drawn dashed;
 # the core never does.
 ENTRY = ("engine/cli", "engine/serve/")
-# The allowed directions (DESIGN.md); tests/test_package.py checks the code against them.
+# The allowed directions (docs/architecture.md); tests/test_package.py checks the code against them.
 ALLOWED = {
     "kernels": set(),
     "storage_backends": set(),

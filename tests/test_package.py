@@ -95,7 +95,7 @@ def test_folder_names_are_not_importable_outside_the_repository(tmp_path: Path) 
 
 
 def test_imports_point_one_way() -> None:
-    """The allowed directions of DESIGN.md, read from the source by the script that draws
+    """The allowed directions of docs/architecture.md, read from the source by the script that draws
     docs/architecture.png; only an entry point (tierkv-engine) wires a part in from above."""
     spec = importlib.util.spec_from_file_location("import_graph", ROOT / "docs/import_graph.py")
     assert spec is not None and spec.loader is not None
