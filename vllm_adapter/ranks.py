@@ -88,8 +88,9 @@ class PartNames:
     def note(self, chunk_keys: list[bytes]) -> None:
         with self.lock:
             for key in chunk_keys:
-                self.names[head_key(key, 0)] = key
-                self.names.move_to_end(head_key(key, 0))
+                part = head_key(key, 0)
+                self.names[part] = key
+                self.names.move_to_end(part)
             while len(self.names) > self.limit:
                 self.names.popitem(last=False)
 
