@@ -37,7 +37,6 @@ from examples.rag_docs import MODULES, QUESTION_A, QUESTIONS, Corpus, Question
 if TYPE_CHECKING:
     from tierkv.connector import TierKVConnector
     from tierkv.engine import LLM, PromptPart, RequestOutput
-    from tierkv.storage_backends.build import TiersConfig
 
 DTYPE, MAX_TOKENS, CHUNK, BLEND = "fp32", 48, 64, 0.15
 WAYS = ("full prefill", "prefix only", f"blend {BLEND}", "blend 1.0")
@@ -50,7 +49,7 @@ def say(msg: str) -> None:
 
 def engine(target: str | None) -> tuple[LLM, TierKVConnector | None]:
     """SmolLM2 in fp32, warmed up; with target, a connector to the server there."""
-    from tierkv.connector import ConnectorConfig, TierKVConnector
+    from tierkv.connector import ConnectorConfig, TierKVConnector, TiersConfig
     from tierkv.engine import LLM, SamplingParams
     from tierkv.engine.models import pull
 
