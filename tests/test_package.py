@@ -107,3 +107,50 @@ def test_imports_point_one_way() -> None:
     for (a, b), files in edges.items():
         core = [f for f in files if not f.startswith(graph.ENTRY)]
         assert not core or b in graph.ALLOWED[a], (a, b, core)
+
+
+def test_no_name_imported_for_type_checking_only_is_used_at_run_time() -> None:
+    """A name imported under `if TYPE_CHECKING:` and called at run time passes ruff and mypy
+    but fails when that code runs (examples and benchmarks have no test that runs them all):
+    each such use must import the name again where it runs."""
+    import ast
+
+    bad = []
+    for path in sorted(p for d in (*PARTS, "bench", "examples") for p in (ROOT / d).rglob("*.py")):
+        src = path.read_text()
+        if "TYPE_CHECKING" not in src:
+            continue
+        tree = ast.parse(src)
+        guarded = {
+            a.asname or a.name.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"
+            for s in n.body
+            if isinstance(s, ast.Import | ast.ImportFrom)
+            for a in s.names
+        }
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            local = {
+                a.asname or a.name.split(".")[0]
+                for s in ast.walk(fn)
+                if isinstance(s, ast.Import | ast.ImportFrom)
+                for a in s.names
+            }
+            annotations = {
+                id(m)
+                for n in ast.walk(fn)
+                for x in (getattr(n, "annotation", None), getattr(n, "returns", None))
+                if x is not None
+                for m in ast.walk(x)
+            }
+            bad += [
+                f"{path.relative_to(ROOT)}:{n.lineno}: {n.id}"
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Name)
+                and n.id in guarded - local
+                and isinstance(n.ctx, ast.Load)
+                and id(n) not in annotations
+            ]
+    assert not bad, bad
