@@ -8,14 +8,22 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
+import torch
+
 
 class LoopThread:
     """Owns one event loop. Coroutines submitted here never run on the caller's thread."""
 
     def __init__(self, name: str = "tierkv-connector") -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        # The copies this thread makes (scatters, staging) are small and memory-bound: one
+        # thread, so they never start an OpenMP team of their own beside the engine's.
+        torch.set_num_threads(1)
+        self.loop.run_forever()
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

@@ -21,7 +21,7 @@ from tierkv.connector.plan import LoadPlan, SavePlan
 from tierkv.connector.transfer import Layout, LoadJob, PagedKV
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.segment import KVSegment, dtype_name
-from tierkv.vllm import layout as paged_io
+from tierkv.vllm.blocks import Blocks
 from tierkv.vllm.layout import PagedLayout, detect_layout, probe_tiles
 from tierkv.vllm.ranks import Heads, PartNames
 from tierkv.vllm.scheduler import TierKVMetadata
@@ -41,13 +41,17 @@ class VllmKV(PagedKV):
     scaled: bool
     paged: PagedLayout
     caches: list[torch.Tensor]
+    blocks: Blocks = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.blocks = Blocks.of(self.paged)
 
     def gather(self, saves: list[SavePlan], layer: int, kv_layer: torch.Tensor) -> None:
         n, last, kv = self.layout.num_kv_heads, None, None
         for p in saves:
             at = (p.request_id, p.chunk.index)
             if at != last:  # the parts of one chunk follow each other: gather it once
-                kv = paged_io.gather(self.paged, kv_layer, p.block_ids, p.chunk.start, p.chunk.end)
+                kv = self.blocks.gather(kv_layer, p.block_ids, p.chunk.start, p.chunk.end)
                 last = at
             assert kv is not None
             p.staging[layer].copy_(kv[:, :, p.head : p.head + n])
@@ -65,7 +69,7 @@ class VllmKV(PagedKV):
                         s.layer(layer)[:, lo - c.start : hi - c.start] for s in good[i : i + n]
                     ]
                     part = parts[0] if n == 1 else torch.cat(parts, dim=2)
-                    paged_io.scatter(self.paged, cache, part, plan.block_ids, lo)
+                    self.blocks.scatter(cache, part, plan.block_ids, lo)
 
 
 @dataclass(slots=True, eq=False)
