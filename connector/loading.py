@@ -152,8 +152,11 @@ class Loading:
         with job.lock:
             if job.cancelled:
                 raise Stop
-            job.scattering = True
-            self.scatter(self.good(), layer)
+            if job.staged is not None:  # the engine's thread scatters it in wait_layer
+                job.staged[layer] = self.good()
+            else:
+                job.scattering = True
+                self.scatter(self.good(), layer)
         job.events[layer].set()
 
 

@@ -47,6 +47,9 @@ class LoadJob:
     cancelled: bool = False
     scattering: bool = False  # some layer may be in the cache already
     started: float = field(default_factory=time.perf_counter)
+    # PagedKV.scatter_on_wait: each layer's verified segments, kept for wait_layer to scatter
+    staged: dict[int, list[list[KVSegment]]] | None = None
+    waited: int = 0  # layers wait_layer scattered (scatter_on_wait)
 
     def cancel(self) -> None:
         with self.lock:  # waits for a scatter in progress; none starts after this
@@ -65,8 +68,10 @@ class PagedKV(ABC):
 
     Safety contract: `scatter` is handed only segments that passed the checksum and header
     checks, and writes each plan's tokens [start, failed_from or end) into that plan's own
-    blocks and nowhere else; it runs on the connector's loop thread under the job's lock, so
-    after `LoadJob.cancel()` returns it writes nothing more. `gather` has copied its tokens out
+    blocks and nowhere else; it runs under the job's lock, so after `LoadJob.cancel()` returns
+    it writes nothing more. It runs on the connector's loop thread as each layer arrives, or,
+    with `scatter_on_wait`, on the engine's thread in `wait_layer` (the engine's own threads
+    make the copies while the loop thread receives the next layer). `gather` has copied its tokens out
     of the blocks when it returns: after the step the engine may free or reuse them.
     """
 
@@ -74,6 +79,7 @@ class PagedKV(ABC):
     layout: Layout  # what this engine's segments look like
     dtype: torch.dtype  # a save's staging dtype (the storage dtype)
     scaled: bool  # fp8 storage: a save stages its per-layer scales too
+    scatter_on_wait: bool = False  # scatter in wait_layer, on the engine's thread
 
     @abstractmethod
     def gather(self, saves: list[SavePlan], layer: int, kv_layer: torch.Tensor) -> None:

@@ -90,6 +90,8 @@ class WorkerCore:
         if not loads or kv is None:
             return
         job = self.job = LoadJob(loads, [threading.Event() for _ in range(kv.layout.num_layers)])
+        if kv.scatter_on_wait:
+            job.staged = {}
         cfg = self.config
         self.loop.submit(
             run_load(
@@ -106,10 +108,27 @@ class WorkerCore:
 
     def wait_layer(self, layer: int) -> None:
         """Until layer's loads are in the blocks; past load_timeout_s the load is given up."""
-        job = self.job
-        if job is not None and not job.events[layer].wait(self.config.load_timeout_s):
+        job, kv = self.job, self.kv
+        if job is None or kv is None:
+            return
+        if not job.events[layer].wait(self.config.load_timeout_s):
             self.stats.load_timeouts += 1
             job.cancel()
+            return
+        if job.staged is not None:
+            with job.lock:
+                segs = job.staged.pop(layer, None)
+                if segs is not None and not job.cancelled:
+                    job.scattering = True
+                    try:
+                        kv.scatter(job, segs, layer)
+                    except Exception as e:  # a recompute, never a failed request
+                        self.stats.load_errors += 1
+                        log.warning("connector scatter failed (%r); recomputing", e)
+                        job.cancelled = True
+                        for p in job.plans:
+                            p.failed_from = p.start
+                job.waited += 1
 
     def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         if self.kv is not None and self.saves:
@@ -166,6 +185,8 @@ class WorkerCore:
         job, self.job, kv = self.job, None, self.kv
         if job is None or kv is None:
             return set()
+        if job.staged is not None and job.waited < kv.layout.num_layers:
+            job.cancel()  # a layer the engine never waited for was never scattered
         return book(job, states or {}, self.stats, kv.layout.block_size)
 
     def flush(self, timeout: float = 60.0) -> None:

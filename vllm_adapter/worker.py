@@ -42,6 +42,8 @@ class VllmKV(PagedKV):
     paged: PagedLayout
     caches: list[torch.Tensor]
     blocks: Blocks = field(init=False)
+    # vLLM's threads make the copies in wait_for_layer_load while the loop thread receives
+    scatter_on_wait: bool = True
 
     def __post_init__(self) -> None:
         self.blocks = Blocks.of(self.paged)
