@@ -31,15 +31,16 @@ FP = bytes(range(16))
 VARIANTS = ["fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
-def writer(cache_dtype: str, k_scale: float, v_scale: float):
+def writer(cache_dtype: str, k_scale: float, v_scale: float, model: torch.dtype = torch.float32):
     """The CPU backend's KV writer as tierkv.vllm calls it (key, value: the values the cache
-    is to hold, in the model's dtype fp32, scaled as the connector scales them)."""
-    isa = _get_attn_isa(torch.float32, BS, D, cache_dtype)
+    is to hold, scaled and cast to the model's dtype as the connector does); the ISA is the one
+    vLLM picks (here: vec for fp32, amx for bf16)."""
+    isa = _get_attn_isa(model, BS, D, cache_dtype)
 
     def write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         nb, h, bs, _ = cache.shape
         kc, vc = cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
-        k, v = (k * k_scale).float(), (v * v_scale).float()
+        k, v = (k * k_scale).to(model), (v * v_scale).to(model)
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale, v_scale, cache_dtype)
 
     return write
@@ -56,38 +57,46 @@ def fp8_values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.T
     return ok[torch.randint(len(ok), shape, generator=g)]
 
 
-def probed(cache_dtype: str, k_scale: float = 1.0, v_scale: float = 1.0) -> PagedLayout:
+def probed(
+    cache_dtype: str, k_scale: float = 1.0, v_scale: float = 1.0, model: torch.dtype = torch.float32
+) -> PagedLayout:
     lay = detect_layout(torch.zeros(NB, H, BS, 2 * D, dtype=torch.uint8), H, D)
-    stored = FP8.get(cache_dtype, torch.float32)
-    cache = torch.uint8 if cache_dtype in FP8 else torch.float32
-    probe_tiles(lay, cache, stored, writer(cache_dtype, k_scale, v_scale))
+    stored = FP8.get(cache_dtype, model)
+    cache = torch.uint8 if cache_dtype in FP8 else model
+    probe_tiles(lay, cache, stored, writer(cache_dtype, k_scale, v_scale, model))
     return lay
 
 
+@pytest.mark.parametrize("model", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", ["auto", *VARIANTS])
-def test_probe_reads_the_cpu_writers_tiles_under_any_scale(cache_dtype: str) -> None:
+def test_probe_reads_the_cpu_writers_tiles_under_any_scale(
+    cache_dtype: str, model: torch.dtype
+) -> None:
     # fp8 scales that are no power of two: value x scale / scale can land just under 2**k, and
     # the fp8 writer rounds toward zero; the probe still reads every position ('auto' caches
     # keep scales of 1.0 in vLLM)
-    lay = probed(cache_dtype, *((0.37, 2.9) if cache_dtype in FP8 else (1.0, 1.0)))
+    lay = probed(cache_dtype, *((0.37, 2.9) if cache_dtype in FP8 else (1.0, 1.0)), model)
     assert lay.kpos is not None and lay.vpos is not None
     assert sorted(lay.kpos.flatten().tolist()) == list(range(BS * D))
-    ref = probed("auto")
-    # K is packed (d-major) for the vector ISA in fp32 and fp8 alike; V is token-major
+    ref = probed("auto", model=model)
+    # an fp8 tile is packed as the model dtype's is, for the ISA vLLM picks
     assert torch.equal(lay.kpos, ref.kpos) and torch.equal(lay.vpos, ref.vpos)
-    assert torch.equal(lay.vpos, torch.arange(BS * D).view(BS, D))
 
 
+@pytest.mark.parametrize("model", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", VARIANTS)
-def test_copies_place_fp8_bytes_where_the_writer_puts_them(cache_dtype: str) -> None:
-    lay, dtype = probed(cache_dtype), FP8[cache_dtype]
+def test_copies_place_fp8_bytes_where_the_writer_puts_them(
+    cache_dtype: str, model: torch.dtype
+) -> None:
+    lay, dtype = probed(cache_dtype, model=model), FP8[cache_dtype]
     blocks = torch.tensor([3, 0, 2], dtype=torch.int32)
     kv = fp8_values(dtype, (2, T, H, D), 1)  # [2, T, H, D]
     pos = torch.arange(5, T)
     slot = blocks.long()[pos // BS] * BS + pos % BS
     by_vllm = torch.zeros(NB, H, BS, 2 * D, dtype=torch.uint8)
-    # scale 2: the writer is handed kv x 2 and divides by 2, both exact, so it keeps the bytes
-    writer(cache_dtype, 2.0, 2.0)(by_vllm, kv[0, 5:].float(), kv[1, 5:].float(), slot)
+    # scale 2: the writer is handed kv x 2 (exact in fp32 and bf16, which hold every fp8 value)
+    # and divides by 2, so it keeps the bytes
+    writer(cache_dtype, 2.0, 2.0, model)(by_vllm, kv[0, 5:].float(), kv[1, 5:].float(), slot)
     by_tierkv = torch.zeros_like(by_vllm)
     scatter(lay, by_tierkv, kv[:, 5:].view(torch.uint8), blocks, 5)
     assert torch.equal(by_tierkv, by_vllm)
