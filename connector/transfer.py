@@ -37,6 +37,9 @@ class Layout:
     fingerprint: bytes
     block_size: int
     rope: RotaryEmbedding | None = None  # for re-rotating reused segments
+    # [L, 2, H]: the fp8 scales a segment must carry exactly, for a cache that holds fixed
+    # scales (vLLM's, per layer) and cannot requantize; None: any (tierkv's engine rescales)
+    scales: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -105,6 +108,10 @@ def why_unusable(seg: SegmentHeader, plan: LoadPlan, i: int, layout: Layout) -> 
         layout.dtype,
     ):
         return "shape or dtype differs"
+    if layout.scales is not None and (
+        seg.scales is None or not np.array_equal(seg.scales, layout.scales)
+    ):
+        return "fp8 scales differ"
     if seg.num_tokens != c.end - c.start or not np.array_equal(
         seg.tokens, plan.tokens[c.start : c.end]
     ):

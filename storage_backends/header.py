@@ -9,7 +9,7 @@ Byte format (version 1, all integers little-endian):
                     | dtype u8 | quant u8 | codec u8 | 0 u8 | fingerprint_len u32
     fingerprint     fingerprint_len bytes
     tokens          int32[num_tokens]
-    scales          float32[num_layers, 2, num_kv_heads]   (only when quant is fp8_e4m3)
+    scales          float32[num_layers, 2, num_kv_heads]   (only when quant is fp8_*)
     layer table     num_layers x (offset u64, length u64, checksum u64); offset is from the
                     payload start; checksum is xxh3_64 of the layer's *decoded* bytes
     zero padding    up to header_nbytes, a multiple of 64
@@ -38,9 +38,17 @@ PREFIX_NBYTES = PREFIX.size
 ALIGN = 64
 # The one table of kv dtypes a segment can hold: torch's name of each, and its bytes per
 # element. A name's position is its code in the header: append only (codes are on disk).
-ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 DTYPE_NAMES: tuple[str, ...] = tuple(ITEMSIZE)
-QUANTS = ["none", "fp8_e4m3"]
+QUANTS = ["none", "fp8_e4m3", "fp8_e5m2"]  # append only, as the dtypes
+# The quant of each fp8 dtype (its scales are in the header); every other dtype's is none.
+QUANT_OF: dict[str, str] = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 CODECS = ["none", "lz4", "shuffle+lz4"]
 MAX_DIM = 1 << 24  # bounds each shape field so garbage cannot ask for a huge allocation
 
@@ -125,9 +133,9 @@ class SegmentHeader:
         if dt >= len(DTYPE_NAMES) or qu >= len(QUANTS) or co >= len(CODECS):
             raise SegmentError(f"bad dtype/quant/codec codes {dt}/{qu}/{co}")
         dtype, quant = DTYPE_NAMES[dt], QUANTS[qu]
-        if (quant == "fp8_e4m3") != (dtype == "float8_e4m3fn"):
+        if quant != QUANT_OF.get(dtype, "none"):
             raise SegmentError(f"quant {quant} does not match dtype {dtype}")
-        nscales = nl * 2 * nh if quant == "fp8_e4m3" else 0
+        nscales = nl * 2 * nh if quant != "none" else 0
         pos = PREFIX_NBYTES + FIXED.size
         need = pos + fl + 4 * nt + 4 * nscales + LAYER.size * nl
         if need > hn:
@@ -212,5 +220,5 @@ def header_nbytes_for(
     num_layers: int, num_tokens: int, num_kv_heads: int, fingerprint_len: int, quant: str
 ) -> int:
     n = PREFIX_NBYTES + FIXED.size + fingerprint_len + 4 * num_tokens + LAYER.size * num_layers
-    n += 4 * num_layers * 2 * num_kv_heads if quant == "fp8_e4m3" else 0
+    n += 4 * num_layers * 2 * num_kv_heads if quant != "none" else 0
     return -(-n // ALIGN) * ALIGN

@@ -28,6 +28,7 @@ from tierkv.storage_backends.header import (
     DTYPE_NAMES,
     MAX_DIM,
     PREFIX_NBYTES,
+    QUANT_OF,
     VERSION,
     SegmentError,
     SegmentHeader,
@@ -117,15 +118,15 @@ class KVSegment:
         tok = np.asarray(tokens, dtype=np.int64)
         if tok.shape != (T,) or (tok.size and (tok.min() < -(2**31) or tok.max() >= 2**31)):
             raise SegmentError(f"tokens must be {T} int32 values, got shape {tok.shape}")
-        quant = "fp8_e4m3" if dtype == "float8_e4m3fn" else "none"
-        if quant == "fp8_e4m3":
+        quant = QUANT_OF.get(dtype, "none")
+        if quant != "none":
             sc = np.asarray(scales if scales is not None else [], dtype=np.float32)
             if sc.shape != (L, 2, H):
                 raise SegmentError(
                     f"fp8 kv needs float32 scales [{L}, 2, {H}], got shape {sc.shape}"
                 )
         elif scales is not None:
-            raise SegmentError(f"scales are only for float8_e4m3fn kv, not {dtype}")
+            raise SegmentError(f"scales are only for fp8 kv ({list(QUANT_OF)}), not {dtype}")
         else:
             sc = None
         if max(L, T, H, D) > MAX_DIM:

@@ -17,16 +17,15 @@ from tierkv.storage_backends.segment import (
     decode_layer,
 )
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def make(L=2, T=5, H=2, D=8, dtype=torch.float16, codec="none", seed=0, base=0) -> KVSegment:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(L, 2, T, H, D, generator=g).to(dtype)
     scales = (
-        np.random.default_rng(seed).random((L, 2, H), dtype=np.float32)
-        if dtype == torch.float8_e4m3fn
-        else None
+        np.random.default_rng(seed).random((L, 2, H), dtype=np.float32) if dtype in FP8 else None
     )
     return KVSegment.from_tensor(
         kv,
@@ -73,8 +72,9 @@ def test_roundtrip(L, T, H, D, dtype, codec, seed, base, as_bytes):
     )
     assert (g.dtype, g.codec, g.quant) == (s.dtype, codec, s.quant)
     assert np.array_equal(g.tokens, s.tokens)
-    if dtype == torch.float8_e4m3fn:
+    if dtype in FP8:
         assert np.array_equal(g.scales, s.scales)
+        assert g.quant == {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}[g.dtype]
     got.verify()
     # a reader can fetch the prefix, then the header, then each layer's byte range
     h = SegmentHeader.decode(buf[: SegmentHeader.peek_nbytes(buf[:PREFIX_NBYTES])])
@@ -157,6 +157,15 @@ def test_shape_mismatch_in_header_table():
         SegmentHeader.decode(h.encode())
 
 
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_quant_must_match_its_dtype(dtype):
+    # e4m3 bytes read as e5m2 (or back) would be other numbers: the header must name its pair
+    h = make(dtype=dtype).full_header()
+    h.quant = "fp8_e5m2" if dtype == torch.float8_e4m3fn else "fp8_e4m3"
+    with pytest.raises(SegmentError, match="does not match dtype"):
+        SegmentHeader.decode(h.encode())
+
+
 def test_crafted_header_cannot_ask_for_a_huge_allocation():
     # a valid-checksum header claiming 64 layers of 16M tokens, each "compressed" to 16 bytes
     seg = make(codec="lz4")
@@ -177,8 +186,9 @@ def test_crafted_header_cannot_ask_for_a_huge_allocation():
         (dict(key=b"short"), "16 bytes"),
         (dict(tokens=[1, 2]), "tokens must be 4"),
         (dict(codec="zstd"), "unknown codec"),
-        (dict(scales=np.ones((2, 2, 1), np.float32)), "only for float8"),
+        (dict(scales=np.ones((2, 2, 1), np.float32)), "only for fp8"),
         (dict(kv=torch.zeros(2, 2, 4, 1, 1).to(torch.float8_e4m3fn)), "needs float32 scales"),
+        (dict(kv=torch.zeros(2, 2, 4, 1, 1).to(torch.float8_e5m2)), "needs float32 scales"),
     ],
 )
 def test_from_tensor_refuses_bad_input(kwargs, match):

