@@ -14,6 +14,17 @@ from tierkv.storage_backends.keys import Salt
 from tierkv.storage_backends.segment import VERSION, dtype_name
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+# Config fields that say which layers attend through a sliding window, and how: they shape the
+# KV of every later layer. Bound only when a model's config sets them.
+WINDOW_FIELDS = (
+    "sliding_window",
+    "layer_types",
+    "use_sliding_window",
+    "max_window_layers",
+    "sliding_window_pattern",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+)
 
 
 def connector_config(extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -58,19 +69,22 @@ def weights_digest(model: str) -> str:
 
 def model_fingerprint(vllm_config: Any) -> str:
     """The model part of the salt: vLLM as the engine (its numerics differ from tierkv's own
-    engine, so their KV never shares a key), the KV-shaping config fields, the dtype and a
-    digest of the weights."""
+    engine, so their KV never shares a key), the KV-shaping config fields (a sliding window's
+    too), the dtype and a digest of the weights."""
     mc = vllm_config.model_config
     hf = mc.hf_text_config
-    shape = repr([(f, getattr(hf, f, None)) for f in KV_FIELDS])
+    fields = [(f, getattr(hf, f, None)) for f in KV_FIELDS]
+    fields += [(f, v) for f in WINDOW_FIELDS if (v := getattr(hf, f, None)) is not None]
+    shape = repr(fields)
     arch = ",".join(getattr(hf, "architectures", None) or [mc.architecture])
     digest = weights_digest(str(mc.model))
     dtype = dtype_name(mc.dtype) or str(mc.dtype)
     return f"vllm:{arch}:{dtype}:{xxhash.xxh3_64_hexdigest(shape.encode())}:{digest}"
 
 
-def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
-    """Model, KV format (one segment per KV head, the cache dtype), chunk size, namespace."""
+def salt(vllm_config: Any, cfg: ConnectorConfig, windowed: bool = False) -> Salt:
+    """Model, KV format (one segment per KV head, the cache dtype; `windowed`: a sliding-window
+    layer's tokens that vLLM no longer held at the save are zeros), chunk size, namespace."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise ValueError(f"tierkv.vllm needs kv_cache_dtype 'auto', got {cache_dtype!r}")
@@ -88,7 +102,8 @@ def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
     # so every TP size of the same checkpoint, dtype and salt shares them.
     return Salt(
         model_fingerprint=model_fingerprint(vllm_config),
-        kv_format=f"tkvs{VERSION}/layer-major/kv-head/{dtype}/none",
+        kv_format=f"tkvs{VERSION}/layer-major/kv-head/{dtype}/none"
+        + ("/window-only" if windowed else ""),
         chunk_size=cfg.chunk_size,
         namespace=cfg.namespace,
     )

@@ -6,8 +6,12 @@ Safety contract (what vLLM may rely on):
   the blocks from the first undelivered token to vLLM's load-failure path
   (`get_block_ids_with_load_errors`, with `kv_load_failure_policy="recompute"`, which this
   connector sets), and vLLM recomputes them.
-- Loads are synchronous to the step and layer-wise: `wait_for_layer_load(layer)` returns once
-  that layer's KV is in the blocks, or its load was given up.
+- With one KV cache group, loads are synchronous to the step and layer-wise:
+  `wait_for_layer_load(layer)` returns once that layer's KV is in the blocks, or its load was
+  given up. With several (a hybrid model: sliding-window and full-attention layers), vLLM
+  takes load failures by request only, and only for asynchronous loads: a load then runs in
+  the step after its request's blocks were allocated, and `get_transfer_results` names the
+  request as received, or as failed (vLLM recomputes it whole).
 - `save_kv_layer` copies the step's new prompt chunks out of the blocks before it returns; the
   puts run in the background. `request_finished` returns True for a request with saves, and
   `get_finished` names it once every put of it has ended: its blocks are held until then.
@@ -31,6 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from tierkv.connector.loop import LoopThread
@@ -45,6 +51,7 @@ from tierkv.vllm.events import (
     hit_sources,
     recorder,
 )
+from tierkv.vllm.groups import NULL, Groups
 from tierkv.vllm.prom import TierKVProm
 from tierkv.vllm.ranks import Heads, PartNames
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
@@ -59,8 +66,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierkv.vllm")
 
 
-class TierKVConnector(KVConnectorBase_V1):
-    """tierkv for vLLM; kv_connector_extra_config holds ConnectorConfig's knobs."""
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tierkv for vLLM; kv_connector_extra_config holds ConnectorConfig's knobs. SupportsHMA:
+    vLLM keeps a hybrid model's KV cache groups (a sliding window keeps only its blocks)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -71,7 +79,8 @@ class TierKVConnector(KVConnectorBase_V1):
                 "worker are separate processes, and only a shared tier tells the scheduler "
                 "what the worker stored"
             )
-        self.config, self.salt = cfg, salt(vllm_config, cfg)
+        self.groups = Groups.of(kv_cache_config)
+        self.config, self.salt = cfg, salt(vllm_config, cfg, self.groups.windowed)
         self.hasher = ChunkHasher(self.salt)
         self.loop = LoopThread("tierkv-vllm")
         self.sched: SchedulerSide | None = None
@@ -96,6 +105,7 @@ class TierKVConnector(KVConnectorBase_V1):
                 cfg.save,
                 cfg.lookup_timeout_s,
                 vllm_config.model_config.get_total_num_kv_heads(),
+                self.groups,
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -134,7 +144,7 @@ class TierKVConnector(KVConnectorBase_V1):
             layer = layers[next(iter(kv_caches))]
             layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
 
-        self._w().register(kv_caches, mc.get_head_size(), write)
+        self._w().register(kv_caches, mc.get_head_size(), write, self.groups)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -145,7 +155,7 @@ class TierKVConnector(KVConnectorBase_V1):
         """Start this step's loads on the connector's thread; returns at once."""
         meta = self._get_connector_metadata()
         if isinstance(meta, TierKVMetadata):
-            self._w().start_load(meta.loads)
+            self._w().start_load(meta.loads, meta.tables)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this layer's loads are in the blocks (or were given up)."""
@@ -165,9 +175,17 @@ class TierKVConnector(KVConnectorBase_V1):
         done = self._w().finished(finished_req_ids)
         return (done or None), None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves done (get_finished) and, with several KV cache groups, this step's loads: every
+        request received, those that failed among them."""
+        done, _ = self.get_finished(finished_req_ids)
+        received, failed = self._w().loaded()
+        return KVConnectorTransferResults(set(done or ()), received, failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks from the first token each of this step's loads did not deliver."""
-        return self._w().core.load_errors()
+        """One KV cache group: blocks from the first token each of this step's loads did not
+        deliver (several: none, get_transfer_results names the requests)."""
+        return self._w().load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> TierKVEvents | None:
         """This worker's tiers' changes since the last step (to the scheduler's take_events)."""
@@ -229,12 +247,19 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Prompt tokens past the local hit that the shared tier holds (loaded in-step)."""
-        return self._s().matched(request, num_computed_tokens), False
+        """Prompt tokens past the local hit that the shared tier holds: loaded in-step with one
+        KV cache group, asynchronously with several."""
+        n = self._s().matched(request, num_computed_tokens)
+        return n, n > 0 and self.groups.by_request
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self._s().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            self._s().after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """The workers take a null block in a sliding window's table for vLLM's, block 0."""
+        if gpu_block_pool.null_block.block_id != NULL:
+            raise ValueError(f"tierkv.vllm expects vLLM's null block to be block {NULL}")
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._s().build_meta(scheduler_output)
@@ -250,6 +275,7 @@ class TierKVConnector(KVConnectorBase_V1):
         ev = connector_output.kv_cache_events
         if isinstance(ev, TierKVEvents):
             self.events.from_workers(ev)
+        self._s().load_failed(set(connector_output.failed_recving))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """tierkv's KV events since the last step, for vLLM's publisher."""
@@ -260,6 +286,12 @@ class TierKVConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         """True while the request's saves are in flight: vLLM frees its blocks once
         get_finished names it."""
+        return self._s().finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """request_finished, as vLLM calls it for a connector that keeps several groups."""
         return self._s().finished(request), None
 
 
