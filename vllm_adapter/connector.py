@@ -6,14 +6,11 @@ Safety contract (what vLLM may rely on):
   the blocks from the first undelivered token to vLLM's load-failure path
   (`get_block_ids_with_load_errors`, with `kv_load_failure_policy="recompute"`, which this
   connector sets), and vLLM recomputes them.
-- With one KV cache group, loads are synchronous to the step and layer-wise:
-  `wait_for_layer_load(layer)` returns once that layer's KV is in the blocks, or its load was
-  given up. With several (a hybrid model: sliding-window and full-attention layers), vLLM
-  takes load failures by request only, and only for asynchronous loads: a load then runs in
-  the step after its request's blocks were allocated, and `get_transfer_results` names the
-  request as received, or as failed (vLLM recomputes it whole).
+- One KV cache group: loads are in-step and layer-wise (`wait_for_layer_load(layer)` returns
+  once that layer is in the blocks or given up). Several (tierkv.vllm.groups): loads are
+  asynchronous, and `get_transfer_results` names each request received or failed.
 - `save_kv_layer` copies the step's new prompt chunks out of the blocks before it returns; the
-  puts run in the background. `request_finished` returns True for a request with saves, and
+  puts run in the background. `request_finished_all_groups` is True for a request with saves;
   `get_finished` names it once every put of it has ended: its blocks are held until then.
 - Keys are salted with vLLM as the engine, the model's KV-shaping config, its dtype, a digest
   of its weight files, the chunk size and the namespace: KV of another model, dtype, engine or
@@ -40,7 +37,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierkv.connector.loop import LoopThread
-from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
 from tierkv.vllm.events import (
@@ -53,9 +49,9 @@ from tierkv.vllm.events import (
 )
 from tierkv.vllm.groups import NULL, Groups
 from tierkv.vllm.prom import TierKVProm
-from tierkv.vllm.ranks import Heads, PartNames
+from tierkv.vllm.ranks import PartNames, heads_of
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
-from tierkv.vllm.stats import ObservedStats, Reporter, TierKVStats
+from tierkv.vllm.stats import Reporter, TierKVStats
 from tierkv.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -97,15 +93,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             shared = dataclasses.replace(cfg, tiers=remote)
             store = self.loop.run(_build(shared))
             self.sched = SchedulerSide(
-                self.loop,
-                store,
-                self.hasher,
-                cfg.namespace,
-                cfg.save_partial_chunks,
-                cfg.save,
-                cfg.lookup_timeout_s,
-                vllm_config.model_config.get_total_num_kv_heads(),
-                self.groups,
+                self.loop, store, self.hasher, cfg, heads_of(vllm_config), self.groups
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -114,19 +102,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.watcher = self.loop.submit(follow_server(tier, self.events.box, names))
         else:
             store = self.loop.run(_build(cfg))
-            pc = vllm_config.parallel_config
-            rank = pc.rank % pc.tensor_parallel_size
-            total = vllm_config.model_config.get_total_num_kv_heads()
-            heads = Heads.of(rank, pc.tensor_parallel_size, total)
             names = PartNames()
             hook = recorder(self.outbox, cfg.namespace, cfg.chunk_size, publish, names)
-            store.watch(hook)
-            core = WorkerCore(self.loop, store, cfg, stats=ObservedStats())
-            self.worker = WorkerSide(core, self.salt.fingerprint(), heads, names=names)
-            if cfg.metrics_port:
-                from tierkv.connector.metrics import serve_metrics
-
-                serve_metrics(core, cfg.metrics_port + rank)  # one port per rank
+            fp = self.salt.fingerprint()
+            self.worker = WorkerSide.start(vllm_config, self.loop, store, cfg, fp, hook, names)
 
     # -- worker side -----------------------------------------------------------------------
     def _w(self) -> WorkerSide:
@@ -176,8 +155,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return (done or None), None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Saves done (get_finished) and, with several KV cache groups, this step's loads: every
-        request received, those that failed among them."""
+        """Saves done (get_finished); with several KV cache groups, this step's loads too."""
         done, _ = self.get_finished(finished_req_ids)
         received, failed = self._w().loaded()
         return KVConnectorTransferResults(set(done or ()), received, failed)
@@ -281,17 +259,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """tierkv's KV events since the last step, for vLLM's publisher."""
         return self.events.take()
 
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """True while the request's saves are in flight: vLLM frees its blocks once
-        get_finished names it."""
-        return self._s().finished(request), None
-
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """request_finished, as vLLM calls it for a connector that keeps several groups."""
+        """True while the request's saves are in flight: vLLM frees its blocks (of every KV
+        cache group) once get_finished names it."""
         return self._s().finished(request), None
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState
 from tierkv.connector.requests import prefix_chunks, record_lookup
@@ -67,15 +68,13 @@ class SchedulerSide:
         loop: LoopThread,
         store: TieredStore,
         hasher: ChunkHasher,
-        namespace: str,
-        partial: bool,
-        save: bool,
-        lookup_timeout_s: float,
+        cfg: ConnectorConfig,
         heads: int = 1,  # the model's KV heads: each chunk is stored as one part per head
         groups: Groups | None = None,  # vLLM's KV cache groups (None: one, full attention)
     ) -> None:
-        self.loop, self.store, self.hasher, self.ns = loop, store, hasher, namespace
-        self.partial, self.save, self.lookup_timeout_s = partial, save, lookup_timeout_s
+        self.loop, self.store, self.hasher, self.ns = loop, store, hasher, cfg.namespace
+        self.partial, self.save = cfg.save_partial_chunks, cfg.save
+        self.lookup_timeout_s = cfg.lookup_timeout_s
         self.heads, self.groups = heads, groups or Groups({}, (None,), 1)
         self.pending_tables: dict[str, torch.Tensor] = {}
         self.names = PartNames()  # the looked-up chunks' head-0 parts (the server's removals)

@@ -16,18 +16,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tierkv.connector.config import ConnectorConfig
+from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import LoadPlan, SavePlan
 from tierkv.connector.transfer import Layout, LoadJob, PagedKV
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.segment import KVSegment, dtype_name
+from tierkv.storage_backends.store import TieredStore
 from tierkv.vllm import layout as paged_io
 from tierkv.vllm.groups import NULL, Groups, held_range
 from tierkv.vllm.layout import PagedLayout, detect_layout, probe_tiles
-from tierkv.vllm.ranks import Heads, PartNames
+from tierkv.vllm.ranks import Heads, PartNames, heads_of
 from tierkv.vllm.scheduler import TierKVMetadata
+from tierkv.vllm.stats import ObservedStats
 
 log = logging.getLogger("tierkv.vllm")
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -97,6 +102,29 @@ class WorkerSide:
     had_saves: set[str] = field(default_factory=set)  # requests the scheduler holds blocks for
     closing: set[str] = field(default_factory=set)  # finished requests waiting for their saves
     groups: Groups | None = None  # vLLM's KV cache groups, once registered
+
+    @staticmethod
+    def start(
+        vllm_config: Any,
+        loop: LoopThread,
+        store: TieredStore,
+        cfg: ConnectorConfig,
+        fingerprint: bytes,
+        hook: Callable[..., None],
+        names: PartNames,
+    ) -> WorkerSide:
+        """This rank's worker over its store, its changes to hook (the KV events); with
+        metrics_port, its counters on metrics_port + rank."""
+        pc = vllm_config.parallel_config
+        rank = pc.rank % pc.tensor_parallel_size
+        store.watch(hook)
+        core = WorkerCore(loop, store, cfg, stats=ObservedStats())
+        if cfg.metrics_port:
+            from tierkv.connector.metrics import serve_metrics
+
+            serve_metrics(core, cfg.metrics_port + rank)  # one port per rank
+        heads = Heads.of(rank, pc.tensor_parallel_size, heads_of(vllm_config))
+        return WorkerSide(core, fingerprint, heads, names=names)
 
     def register(
         self,
