@@ -71,11 +71,12 @@ class PagedKV(ABC):
 
     Safety contract: `scatter` is handed only segments that passed the checksum and header
     checks, and writes each plan's tokens [start, failed_from or end) into that plan's own
-    blocks and nowhere else; it runs under the job's lock, so after `LoadJob.cancel()` returns
-    it writes nothing more. It runs on the connector's loop thread as each layer arrives, or,
-    with `scatter_on_wait`, on the engine's thread in `wait_layer` (the engine's own threads
-    make the copies while the loop thread receives the next layer). `gather` has copied its tokens out
-    of the blocks when it returns: after the step the engine may free or reuse them.
+    blocks and nowhere else; it runs under the job's lock, so after `LoadJob.cancel()`
+    returns it writes nothing more. It runs on the connector's loop thread as each layer
+    arrives or, with `scatter_on_wait`, on the engine's thread in `wait_layer` (the engine's
+    own threads make the copies while the loop thread receives the next layer). `gather` has
+    copied its tokens out of the blocks when it returns: after the step the engine may free or
+    reuse them.
     """
 
     __slots__ = ()

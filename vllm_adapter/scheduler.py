@@ -4,6 +4,8 @@ per-step metadata the worker acts on.
 vLLM runs its scheduler and its worker in different processes (on the CPU platform always),
 so this side looks up the shared tier only; the worker's local tiers are a cache in front of
 it. The metadata holds plain data (ids, keys, tokens): the worker makes its own buffers.
+Block ids are kept per KV cache group (tierkv.vllm.groups); with several groups, loads are
+asynchronous to vLLM, so that a failed one is recomputed by request.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState
 from tierkv.connector.requests import prefix_chunks, record_lookup
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
+from tierkv.vllm.groups import NULL, Groups
 from tierkv.vllm.ranks import PartNames, chunk_tiers, part_keys
 
 log = logging.getLogger("tierkv.vllm")
@@ -32,7 +36,7 @@ class SaveSpec:
     """Save chunk of request_id, whose tokens lie in block_ids, after this step's forward."""
 
     request_id: str
-    block_ids: torch.Tensor  # int32, the request's whole block table
+    block_ids: torch.Tensor  # int32 [groups, blocks]: a window's possibly freed blocks null
     chunk: Chunk
     tokens: np.ndarray
 
@@ -43,6 +47,8 @@ class TierKVMetadata(KVConnectorMetadata):
 
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # the loads' requests' blocks, [groups, blocks] (a LoadPlan's block_ids is group 0's)
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -51,8 +57,9 @@ class Tracked:
 
     state: RequestState
     lookup_from: int = 0  # the local hit the last lookup was asked after
-    block_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # block ids per KV cache group
     saving: bool = False  # a save was planned: its blocks are held until the worker reports it
+    failed: bool = False  # a load of it failed: vLLM recomputes it whole, loading nothing
 
 
 class SchedulerSide:
@@ -61,15 +68,15 @@ class SchedulerSide:
         loop: LoopThread,
         store: TieredStore,
         hasher: ChunkHasher,
-        namespace: str,
-        partial: bool,
-        save: bool,
-        lookup_timeout_s: float,
+        cfg: ConnectorConfig,
         heads: int = 1,  # the model's KV heads: each chunk is stored as one part per head
+        groups: Groups | None = None,  # vLLM's KV cache groups (None: one, full attention)
     ) -> None:
-        self.loop, self.store, self.hasher, self.ns = loop, store, hasher, namespace
-        self.partial, self.save, self.lookup_timeout_s = partial, save, lookup_timeout_s
-        self.heads = heads
+        self.loop, self.store, self.hasher, self.ns = loop, store, hasher, cfg.namespace
+        self.partial, self.save = cfg.save_partial_chunks, cfg.save
+        self.lookup_timeout_s = cfg.lookup_timeout_s
+        self.heads, self.groups = heads, groups or Groups({}, (None,), 1)
+        self.pending_tables: dict[str, torch.Tensor] = {}
         self.names = PartNames()  # the looked-up chunks' head-0 parts (the server's removals)
         self.stats = ConnectorStats()
         self.hits: dict[str, int] = {}  # tokens vLLM admitted as external hits, by tier
@@ -92,7 +99,7 @@ class SchedulerSide:
         tr = self._track(request)
         st = tr.state
         tr.lookup_from = num_computed_tokens
-        if not st.chunks:
+        if not st.chunks or tr.failed:
             return 0
         self.stats.lookups += 1
         try:
@@ -108,17 +115,23 @@ class SchedulerSide:
         self.stats.lookup_hit_tokens += new
         return new
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Any, tables: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        """Plan the load of the tokens vLLM took from the lookup into the blocks it allocated
+        (tables: one list per KV cache group)."""
         if num_external_tokens <= 0:
             return
         tr = self._track(request)
+        table = self.groups.table(tables)
+        self.pending_tables[request.request_id] = table
         st, start = tr.state, tr.lookup_from
         end = start + num_external_tokens
         idx = [i for i, c in enumerate(st.chunks[: st.present]) if c.end > start and c.start < end]
         self.pending_loads.append(
             LoadPlan(
                 request.request_id,
-                torch.tensor(block_ids, dtype=torch.int32),
+                table[0],
                 start,
                 end,
                 [st.chunks[i] for i in idx],
@@ -145,12 +158,12 @@ class SchedulerSide:
         return split
 
     def build_meta(self, so: Any) -> TierKVMetadata:
-        meta = TierKVMetadata(self.pending_loads, [])
-        self.pending_loads = []
+        meta = TierKVMetadata(self.pending_loads, [], self.pending_tables)
+        self.pending_loads, self.pending_tables = [], {}
         for new in so.scheduled_new_reqs:
             tr = self.tracked.get(new.req_id)
             if tr is not None:
-                tr.block_ids = list(new.block_ids[0])
+                tr.tables = [list(t) for t in new.block_ids]
                 self._plan_saves(new.req_id, tr, new.num_computed_tokens, so, meta)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -158,10 +171,11 @@ class SchedulerSide:
             if tr is None:
                 continue
             blocks = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:  # after a preemption: a new block table
-                tr.block_ids = list(blocks[0]) if blocks else []
+            if rid in cached.resumed_req_ids:  # after a preemption: new block tables
+                tr.tables = [list(t) for t in blocks] if blocks else []
             elif blocks:
-                tr.block_ids.extend(blocks[0])
+                for mine, more in zip(tr.tables, blocks):
+                    mine.extend(more)
             self._plan_saves(rid, tr, cached.num_computed_tokens[i], so, meta)
         return meta
 
@@ -181,9 +195,25 @@ class SchedulerSide:
                 self.stats.save_skipped += 1
                 continue
             if blocks is None:
-                blocks = torch.tensor(tr.block_ids, dtype=torch.int32)
+                blocks = self._save_table(tr.tables, computed)
             meta.saves.append(SaveSpec(rid, blocks, c, st.tokens[c.start : c.end]))
             tr.saving = True
+
+    def _save_table(self, tables: list[list[int]], computed: int) -> torch.Tensor:
+        """The request's blocks for a save in a step that starts at `computed`: a windowed
+        group's blocks that vLLM may have freed (and handed on) by then as null."""
+        t = self.groups.table(tables)
+        for g in range(len(t)):
+            t[g, : self.groups.kept_from(g, computed) // self.groups.block_size] = NULL
+        return t
+
+    def load_failed(self, request_ids: set[str]) -> None:
+        """Requests whose (asynchronous) load failed: vLLM recomputes them from their first
+        token, and a lookup of theirs from now on finds nothing."""
+        for rid in request_ids:
+            tr = self.tracked.get(rid)
+            if tr is not None:
+                tr.failed = True
 
     def finished(self, request: Any) -> bool:
         """True: hold the request's blocks until the worker reports its saves done."""

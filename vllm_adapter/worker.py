@@ -6,7 +6,9 @@ Safety contract: the core's (tierkv.connector.transfer.PagedKV): nothing reaches
 before its segment passed the tier's checksum and the header check, and a load that fails,
 times out or is cancelled scatters nothing more and names the blocks vLLM must recompute.
 A save copies its tokens into a staging buffer inside save_kv_layer, while vLLM still holds
-the blocks; the request's blocks are released only when its last put has finished.
+the blocks; the request's blocks are released only when its last put has finished. Each layer
+reads and writes its own KV cache group's block table (tierkv.vllm.groups): a sliding-window
+layer saves the blocks vLLM may have handed on as zeros and loads only into its window's blocks.
 """
 
 from __future__ import annotations
@@ -14,18 +16,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tierkv.connector.config import ConnectorConfig
+from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import LoadPlan, SavePlan
 from tierkv.connector.transfer import Layout, LoadJob, PagedKV
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.segment import KVSegment, dtype_name
+from tierkv.storage_backends.store import TieredStore
 from tierkv.vllm.blocks import Blocks
+from tierkv.vllm.groups import NULL, Groups, held_range
 from tierkv.vllm.kvdtype import Stored
 from tierkv.vllm.layout import PagedLayout, detect_layout, probe_tiles
-from tierkv.vllm.ranks import Heads, PartNames
+from tierkv.vllm.ranks import Heads, PartNames, heads_of
 from tierkv.vllm.scheduler import TierKVMetadata
+from tierkv.vllm.stats import ObservedStats
 
 log = logging.getLogger("tierkv.vllm")
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -36,13 +44,18 @@ class VllmKV(PagedKV):
     """vLLM's paged cache, one tensor per layer in any layout detect_layout knows, holding
     `paged.num_kv_heads` heads; each segment is a part of `layout.num_kv_heads` of them (its
     plans' parts in head order). KV is stored as the cache holds it: in its dtype, or the
-    float8 values of an fp8 cache (uint8 tensors) with the layers' scales (`layout.scales`)."""
+    float8 values of an fp8 cache (uint8 tensors) with the layers' scales (`layout.scales`).
+    Layer l lies in the blocks of group `group[l]`: a save's block_ids and `tables` (this
+    step's loads) hold one row per group."""
 
     layout: Layout
     dtype: torch.dtype
     scaled: bool
     paged: PagedLayout
     caches: list[torch.Tensor]
+    group: list[int]  # layer -> its KV cache group
+    windowed: list[bool]  # group -> keeps only a sliding window (its table has nulls)
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)  # request -> [groups, blocks]
     blocks: Blocks = field(init=False)
     # vLLM's threads make the copies in wait_for_layer_load while the loop thread receives
     scatter_on_wait: bool = True
@@ -51,11 +64,16 @@ class VllmKV(PagedKV):
         self.blocks = Blocks.of(self.paged)
 
     def gather(self, saves: list[SavePlan], layer: int, kv_layer: torch.Tensor) -> None:
-        n, last, kv = self.layout.num_kv_heads, None, None
+        n, last, kv, g = self.layout.num_kv_heads, None, None, self.group[layer]
+        bs = self.paged.block_size
         for p in saves:
             at = (p.request_id, p.chunk.index)
             if at != last:  # the parts of one chunk follow each other: gather it once
-                kv = self.blocks.gather(kv_layer, p.block_ids, p.chunk.start, p.chunk.end)
+                c, ids = p.chunk, p.block_ids[g]
+                kv = self.blocks.gather(kv_layer, ids, c.start, c.end)
+                if self.windowed[g]:  # blocks vLLM may have handed on: zeros, not their bytes
+                    gone = ids.to(torch.long)[torch.arange(c.start, c.end) // bs] == NULL
+                    kv[:, gone.to(kv.device)] = 0
                 last = at
             assert kv is not None
             p.staging[layer].view(kv.dtype).copy_(kv[:, :, p.head : p.head + n])  # bytes as held
@@ -64,19 +82,23 @@ class VllmKV(PagedKV):
 
     def scatter(self, job: LoadJob, segs: list[list[KVSegment]], layer: int) -> None:
         cache, n = self.caches[layer], self.paged.num_kv_heads // self.layout.num_kv_heads
+        g, bs = self.group[layer], self.paged.block_size
         for plan, good in zip(job.plans, segs):
+            ids = self.tables[plan.request_id][g]
             stop = plan.end if plan.failed_from is None else plan.failed_from
             # good holds whole chunks: a failed part stops its plan at its chunk's start
             for i in range(0, len(good) - n + 1, n):
                 c = plan.chunks[i]
                 lo, hi = max(plan.start, c.start), min(stop, c.end)
+                if self.windowed[g]:  # only the blocks vLLM allocated for the window
+                    lo = held_range(ids, lo, hi, bs)
                 if hi > lo:
                     parts = [
                         s.layer(layer)[:, lo - c.start : hi - c.start].view(cache.dtype)
                         for s in good[i : i + n]
                     ]
                     part = parts[0] if n == 1 else torch.cat(parts, dim=2)
-                    self.blocks.scatter(cache, part, plan.block_ids, lo)
+                    self.blocks.scatter(cache, part, ids, lo)
 
 
 @dataclass(slots=True, eq=False)
@@ -90,21 +112,58 @@ class WorkerSide:
     index: dict[str, int] = field(default_factory=dict)  # layer name -> layer
     had_saves: set[str] = field(default_factory=set)  # requests the scheduler holds blocks for
     closing: set[str] = field(default_factory=set)  # finished requests waiting for their saves
+    groups: Groups | None = None  # vLLM's KV cache groups, once registered
+
+    @staticmethod
+    def start(
+        vllm_config: Any,
+        loop: LoopThread,
+        store: TieredStore,
+        cfg: ConnectorConfig,
+        fingerprint: bytes,
+        hook: Callable[..., None],
+        names: PartNames,
+    ) -> WorkerSide:
+        """This rank's worker over its store, its changes to hook (the KV events); with
+        metrics_port, its counters on metrics_port + rank."""
+        pc = vllm_config.parallel_config
+        rank = pc.rank % pc.tensor_parallel_size
+        store.watch(hook)
+        core = WorkerCore(loop, store, cfg, stats=ObservedStats())
+        if cfg.metrics_port:
+            from tierkv.connector.metrics import serve_metrics
+
+            serve_metrics(core, cfg.metrics_port + rank)  # one port per rank
+        heads = Heads.of(rank, pc.tensor_parallel_size, heads_of(vllm_config))
+        return WorkerSide(core, fingerprint, heads, names=names)
 
     def register(
         self,
         kv_caches: dict[str, torch.Tensor],
         head_dim: int,
         write: Writer | None,
+        groups: Groups | None = None,
         stored: Stored | None = None,
     ) -> None:
-        """stored: what the caches hold (default: values of their own dtype)."""
+        """The layers' tensors (several groups' layers may share one); groups None: one group
+        of full attention; stored: what the caches hold (default: values of their own
+        dtype)."""
         self.index = {name: i for i, name in enumerate(kv_caches)}
         caches = list(kv_caches.values())
         first = caches[0]
         paged = detect_layout(first, self.heads.count, head_dim)
         if any(t.shape != first.shape or t.dtype != first.dtype for t in caches):
-            raise ValueError("tierkv.vllm needs every layer's KV tensor alike (one KV group)")
+            raise ValueError(
+                "tierkv.vllm needs every layer's KV tensor alike (one head size, dtype and "
+                "block size for every layer and KV cache group)"
+            )
+        groups = groups or Groups({n: 0 for n in kv_caches}, (None,), paged.block_size)
+        missing = sorted(set(kv_caches) - set(groups.of_layer))
+        if missing or groups.block_size != paged.block_size:
+            raise ValueError(
+                f"the KV cache groups do not match the registered layers (layers {missing} "
+                f"in no group; block size {groups.block_size} against {paged.block_size})"
+            )
         stored = stored or Stored(first.dtype)
         name = dtype_name(stored.dtype)
         if name is None or stored.dtype.itemsize != first.dtype.itemsize:
@@ -116,16 +175,21 @@ class WorkerSide:
         scales = stored.part_scales()
         layout = Layout(len(caches), 1, head_dim, name, self.fingerprint, paged.block_size)
         layout.scales = scales
-        self.core.register(VllmKV(layout, stored.dtype, scales is not None, paged, caches))
+        group = [groups.of_layer[n] for n in kv_caches]
+        windowed = [w is not None for w in groups.windows]
+        self.groups = groups
+        kv = VllmKV(layout, stored.dtype, scales is not None, paged, caches, group, windowed)
+        self.core.register(kv)
         h = self.heads
         log.info(
-            "tierkv.vllm: %d layers, layout %s %s, KV heads [%d, %d) of %d",
+            "tierkv.vllm: %d layers, layout %s %s, KV heads [%d, %d) of %d, groups %s",
             len(caches),
             paged.kind,
             list(first.shape),
             h.first,
             h.first + h.count,
             h.total,
+            groups.windows,
         )
 
     def bind(self, meta: TierKVMetadata) -> None:
@@ -142,10 +206,34 @@ class WorkerSide:
                     staged.append(plan)
         self.core.bind(staged)
 
-    def start_load(self, loads: list[LoadPlan]) -> None:
-        """The step's loads over this rank's parts of their chunks."""
+    def start_load(self, loads: list[LoadPlan], tables: dict[str, torch.Tensor]) -> None:
+        """The step's loads over this rank's parts of their chunks, each request's blocks in
+        tables ([groups, blocks])."""
         self.names.note([c.key for p in loads for c in p.chunks])
+        if self.core.kv is not None:
+            assert isinstance(self.core.kv, VllmKV)
+            self.core.kv.tables = tables
         self.core.start_load([self.heads.plan(p) for p in loads])
+
+    def loaded(self) -> tuple[set[str], set[str]]:
+        """With several KV cache groups (loads asynchronous to vLLM, failures by request): wait
+        for this step's load, book it, and name its requests and those whose load failed (vLLM
+        recomputes them whole). Nothing with one group: its loads are in-step, by block."""
+        job = self.core.job
+        if job is None or self.groups is None or not self.groups.by_request:
+            return set(), set()
+        for layer in range(len(job.events)):
+            self.core.wait_layer(layer)
+        self.core.load_errors()  # the counters; block ids name no request across groups
+        failed = {p.request_id for p in job.plans if p.failed_from is not None}
+        return {p.request_id for p in job.plans}, failed
+
+    def load_errors(self) -> set[int]:
+        """One group: blocks from the first token each of this step's loads did not deliver
+        (a sliding window's null blocks are no request's: left out)."""
+        if self.groups is not None and self.groups.by_request:
+            return set()
+        return self.core.load_errors() - ({NULL} if self.groups and self.groups.windowed else set())
 
     def wait_layer(self, name: str) -> None:
         self.core.wait_layer(self.index[name])

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.cacheserver.launch import free_port
+from tierkv.cacheserver.launch import ServerProcess, free_port
+from tierkv.storage_backends.segment import KVSegment
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -78,6 +79,32 @@ def kv_scaled_llama(path: Path, scales: list[tuple[float, float]]) -> Path:
         },
     }
     (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def tiny_gemma3(path: Path, window: int = 64) -> Path:
+    """A 4-layer random Gemma-3 (fp32 weights, head size 64, 2 KV heads): layers 0-2 attend
+    through a sliding window of `window` tokens, layer 3 to everything. Its output embedding is
+    its own (not the input's), so greedy tokens depend on the context, not only the last token."""
+    import torch
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        sliding_window=window,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(cfg).eval().save_pretrained(path)
     return path
 
 
@@ -211,3 +238,19 @@ class Engine:
         finally:
             self.proc = None
             self._err.close()
+
+
+def parts(server: ServerProcess, tokens: list[int], n: int) -> dict[bytes, Path]:
+    """The server's files of the parts of the chunk with these tokens, by part key, once all n
+    are there (saves land in the background)."""
+    deadline = time.monotonic() + 60
+    while True:
+        found = {}
+        for f in (server.cache_dir / "disk" / "default").glob("*.tkv"):
+            seg = KVSegment.decode(f.read_bytes(), verify=False)
+            if seg.tokens.tolist() == tokens:
+                found[seg.key] = f
+        if len(found) >= n:
+            return found
+        assert time.monotonic() < deadline, "the server does not hold every part"
+        time.sleep(0.1)

@@ -90,7 +90,7 @@ def worker(core: WorkerCore, heads: Heads, caches: list[torch.Tensor]) -> Worker
 
 def save(w: WorkerSide, caches: list[torch.Tensor], blocks: torch.Tensor, c: Chunk) -> None:
     tokens = np.arange(T, dtype=np.int32)
-    w.bind(TierKVMetadata([], [SaveSpec("r", blocks, c, tokens[c.start : c.end])]))
+    w.bind(TierKVMetadata([], [SaveSpec("r", blocks[None], c, tokens[c.start : c.end])]))
     for i, t in enumerate(caches):
         w.save_layer(f"layer.{i}", t)
     w.core.submit()
@@ -99,7 +99,7 @@ def save(w: WorkerSide, caches: list[torch.Tensor], blocks: torch.Tensor, c: Chu
 
 def load(w: WorkerSide, blocks: torch.Tensor, c: Chunk) -> set[int]:
     tokens = np.arange(T, dtype=np.int32)
-    w.start_load([LoadPlan("r", blocks, c.start, c.end, [c], ["cpu"], tokens)])
+    w.start_load([LoadPlan("r", blocks, c.start, c.end, [c], ["cpu"], tokens)], {"r": blocks[None]})
     for i in range(L):
         w.wait_layer(f"layer.{i}")
     return w.core.load_errors()

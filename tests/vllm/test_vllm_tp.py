@@ -16,7 +16,7 @@ import pytest
 import xxhash
 
 from tests.vllm.conftest import prompt
-from tests.vllm.harness import Engine
+from tests.vllm.harness import Engine, parts
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.launch import ServerProcess
 from tierkv.storage_backends.keys import head_key
@@ -128,22 +128,6 @@ def test_tp2_partial_hits(b: Engine) -> None:
     assert b.generate([Q, R], cold=True) == loaded
 
 
-def parts(server: ServerProcess, tokens: list[int], n: int = HEADS) -> dict[bytes, Path]:
-    """The server's files of the parts of the chunk with these tokens, by part key, once all n
-    are there (saves land in the background)."""
-    deadline = time.monotonic() + 60
-    while True:
-        found = {}
-        for f in (server.cache_dir / "disk" / "default").glob("*.tkv"):
-            seg = KVSegment.decode(f.read_bytes(), verify=False)
-            if seg.tokens.tolist() == tokens:
-                found[seg.key] = f
-        if len(found) >= n:
-            return found
-        assert time.monotonic() < deadline, "the server does not hold every part"
-        time.sleep(0.1)
-
-
 async def delete(server: ServerProcess, key: bytes) -> None:
     tier = RemoteTier(target=server.target)
     try:
@@ -156,8 +140,8 @@ def rank1_part_of_chunk1(server: ServerProcess, s: list[int]) -> tuple[bytes, Pa
     """Once every chunk of s is stored: the key and file of KV head 1's part of chunk 1 (rank
     1's), found from the chain: its parts' parent is chunk 0's key K0, its key H(K0 || tokens)."""
     for a in range(0, len(s), CHUNK):
-        parts(server, s[a : a + CHUNK])
-    found = parts(server, s[CHUNK : 2 * CHUNK])
+        parts(server, s[a : a + CHUNK], HEADS)
+    found = parts(server, s[CHUNK : 2 * CHUNK], HEADS)
     parent = KVSegment.decode(next(iter(found.values())).read_bytes()).header.parent
     tokens = np.asarray(s[CHUNK : 2 * CHUNK], "<i4").tobytes()
     key = head_key(xxhash.xxh3_128_digest(parent + tokens), 1)
