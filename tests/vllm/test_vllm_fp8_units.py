@@ -133,7 +133,10 @@ def worker(core: WorkerCore, caches: list[torch.Tensor], cache_dtype: str, scale
     stored = Stored(FP8[cache_dtype], np.asarray(scales, dtype=np.float32))
     k, v = scales[0]
     w.register(
-        {f"layer.{i}": t for i, t in enumerate(caches)}, D, writer(cache_dtype, k, v), stored
+        {f"layer.{i}": t for i, t in enumerate(caches)},
+        D,
+        writer(cache_dtype, k, v),
+        stored=stored,
     )
     return w
 
@@ -149,7 +152,7 @@ def cpu_caches(fill: int | None = None) -> list[torch.Tensor]:
 
 def load(w: WorkerSide, blocks: torch.Tensor, c: Chunk) -> set[int]:
     tokens = np.arange(T, dtype=np.int32)
-    w.start_load([LoadPlan("r", blocks, c.start, c.end, [c], ["cpu"], tokens)])
+    w.start_load([LoadPlan("r", blocks, c.start, c.end, [c], ["cpu"], tokens)], {"r": blocks[None]})
     for i in range(L):
         w.wait_layer(f"layer.{i}")
     return w.core.load_errors()
@@ -163,7 +166,7 @@ def test_worker_saves_fp8_parts_with_their_scales_and_loads_only_under_them(
     src, blocks = cpu_caches(7), torch.tensor([2, 0, 3], dtype=torch.int32)
     c = Chunk(0, bytes(range(16, 32)), bytes(16), 0, T)
     a = worker(core, src, cache_dtype, scales)
-    a.bind(TierKVMetadata([], [SaveSpec("r", blocks, c, np.arange(T, dtype=np.int32))]))
+    a.bind(TierKVMetadata([], [SaveSpec("r", blocks[None], c, np.arange(T, dtype=np.int32))]))
     for i, t in enumerate(src):
         a.save_layer(f"layer.{i}", t)
     core.submit()
