@@ -48,7 +48,8 @@ from tierkv.vllm.events import (
     recorder,
 )
 from tierkv.vllm.groups import NULL, Groups
-from tierkv.vllm.kvdtype import Stored
+from tierkv.vllm.kvdtype import backend_writer
+from tierkv.vllm.pd import Roles
 from tierkv.vllm.prom import TierKVProm
 from tierkv.vllm.ranks import PartNames, heads_of
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
@@ -88,13 +89,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.events = SchedulerEvents(publish)  # the scheduler's
         self.outbox = Outbox()  # the worker's: its tiers' changes until the step's output
         self.watcher: Any = None
+        fp = self.salt.fingerprint()
         if role == KVConnectorRole.SCHEDULER:
             # The shared tier alone: the worker's local tiers live in its own process.
             remote = dataclasses.replace(cfg.tiers, gpu_bytes=0, cpu_bytes=0, disk_dir=None)
             shared = dataclasses.replace(cfg, tiers=remote)
             store = self.loop.run(_build(shared))
+            roles = Roles.of(self._kv_transfer_config, fp.hex(), cfg.load_timeout_s)
             self.sched = SchedulerSide(
-                self.loop, store, self.hasher, cfg, heads_of(vllm_config), self.groups
+                self.loop, store, self.hasher, cfg, heads_of(vllm_config), self.groups, roles
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -105,7 +108,6 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             store = self.loop.run(_build(cfg))
             names = PartNames()
             hook = recorder(self.outbox, cfg.namespace, cfg.chunk_size, publish, names)
-            fp = self.salt.fingerprint()
             self.worker = WorkerSide.start(vllm_config, self.loop, store, cfg, fp, hook, names)
 
     # -- worker side -----------------------------------------------------------------------
@@ -118,18 +120,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Once at start: the layout is found from the tensors' shapes; the CPU backend's K
         packing is measured with its own writer on a scratch block; an fp8 cache's per-layer
         scales are read from its attention layers."""
-        mc = self._vllm_config.model_config
-        layers = self._vllm_config.compilation_config.static_forward_context
-        attn = [layers[name] for name in kv_caches]
-        stored = Stored.of(self._vllm_config.cache_config.cache_dtype, mc.dtype, attn)
-
-        def write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Any) -> None:
-            # k, v: the values the cache is to hold; the writer divides by the layer's scales
-            a = attn[0]
-            k, v = (k * a._k_scale_float).to(mc.dtype), (v * a._v_scale_float).to(mc.dtype)
-            a.impl.do_kv_cache_update(a, k, v, cache, slots)
-
-        self._w().register(kv_caches, mc.get_head_size(), write, self.groups, stored)
+        stored, write = backend_writer(self._vllm_config, list(kv_caches))
+        head_size = self._vllm_config.model_config.get_head_size()
+        self._w().register(kv_caches, head_size, write, self.groups, stored)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -153,8 +146,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._w().save_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        """Hand the step's staged chunks to the background puts."""
+        """Hand the step's staged chunks to the background puts; a prefill for a remote
+        decode that ends this step waits until its chunks are on the shared tier."""
         self._w().core.submit()
+        meta = self._get_connector_metadata()
+        if isinstance(meta, TierKVMetadata) and meta.handoffs:
+            self._w().hand_off(meta.handoffs)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         done = self._w().finished(finished_req_ids)
@@ -186,6 +183,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         extra = {f"hit_tokens.{t}": n for t, n in self.sched.hits.items()}
         extra["events_dropped"] = self.events.box.dropped
+        extra.update(self.sched.roles.counters())
         return self.reporter.delta(self.sched.stats, extra)
 
     @classmethod
@@ -232,9 +230,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Prompt tokens past the local hit that the shared tier holds: loaded in-step with one
-        KV cache group, asynchronously with several."""
+        KV cache group, asynchronously with several. None while a remote prefill's chunks are
+        awaited (tierkv.vllm.pd)."""
         n = self._s().matched(request, num_computed_tokens)
-        return n, n > 0 and self.groups.by_request
+        return n, bool(n) and self.groups.by_request
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -269,8 +268,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """True while the request's saves are in flight: vLLM frees its blocks (of every KV
-        cache group) once get_finished names it."""
-        return self._s().finished(request), None
+        cache group) once get_finished names it. A prefill for a remote decode returns the
+        kv_transfer_params the decode instance needs (tierkv.vllm.pd)."""
+        return self._s().finished(request)
 
 
 async def _build(cfg: Any) -> Any:

@@ -61,3 +61,20 @@ class Stored:
     def part_scales(self) -> np.ndarray | None:
         """The `[L, 2, 1]` scales of a one-KV-head segment (a part), as its header holds them."""
         return None if self.scales is None else np.ascontiguousarray(self.scales[:, :, None])
+
+
+def backend_writer(vllm_config: Any, layer_names: list[str]) -> tuple[Stored, Any]:
+    """What the layers' caches hold, and the attention backend's own KV writer over the first
+    layer: write(cache, k, v, slots) stores the values k and v (the writer divides by the
+    layer's scales, so they are multiplied first)."""
+    mc = vllm_config.model_config
+    layers = vllm_config.compilation_config.static_forward_context
+    attn = [layers[name] for name in layer_names]
+    stored = Stored.of(vllm_config.cache_config.cache_dtype, mc.dtype, attn)
+
+    def write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Any) -> None:
+        a = attn[0]
+        k, v = (k * a._k_scale_float).to(mc.dtype), (v * a._v_scale_float).to(mc.dtype)
+        a.impl.do_kv_cache_update(a, k, v, cache, slots)
+
+    return stored, write

@@ -28,6 +28,9 @@ COUNTERS = {
     "save_skipped": ("tierkv_save_skipped", "Chunks not saved: the store held them."),
     "save_dropped": ("tierkv_save_dropped", "Chunks not saved: too many pending, or put failed."),
     "events_dropped": ("tierkv_events_dropped", "KV events lost to a full queue."),
+    "pd_handoffs": ("tierkv_pd_handoffs", "Prefills for a remote decode answered with a claim."),
+    "pd_refused": ("tierkv_pd_refused", "Remote-prefill claims refused (malformed, foreign)."),
+    "pd_timeouts": ("tierkv_pd_timeouts", "Remote-prefill claims not all present by the deadline."),
 }
 TIERS = ("gpu", "cpu", "disk", "server", "redis")
 BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]

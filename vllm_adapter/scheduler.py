@@ -11,6 +11,7 @@ asynchronous to vLLM, so that a failed one is recomputed by request.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from tierkv.connector.requests import prefix_chunks, record_lookup
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
 from tierkv.vllm.groups import NULL, Groups
+from tierkv.vllm.pd import Claim, Roles, Waiting, hands_off, read_claim, takes_over
 from tierkv.vllm.ranks import PartNames, chunk_tiers, part_keys
 
 log = logging.getLogger("tierkv.vllm")
@@ -49,6 +51,9 @@ class TierKVMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     # the loads' requests' blocks, [groups, blocks] (a LoadPlan's block_ids is group 0's)
     tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    # prefill requests for a remote decode whose prompt ends this step: the step ends only
+    # once their chunks are on the shared tier (tierkv.vllm.pd)
+    handoffs: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -60,6 +65,8 @@ class Tracked:
     tables: list[list[int]] = field(default_factory=list)  # block ids per KV cache group
     saving: bool = False  # a save was planned: its blocks are held until the worker reports it
     failed: bool = False  # a load of it failed: vLLM recomputes it whole, loading nothing
+    handoff: bool = False  # a prefill for a remote decode: every chunk saved, a claim returned
+    waiting: Waiting | None = None  # a remote prefill's decode, until its chunks are present
 
 
 class SchedulerSide:
@@ -71,11 +78,13 @@ class SchedulerSide:
         cfg: ConnectorConfig,
         heads: int = 1,  # the model's KV heads: each chunk is stored as one part per head
         groups: Groups | None = None,  # vLLM's KV cache groups (None: one, full attention)
+        roles: Roles | None = None,  # kv_role and P/D (None: kv_both)
     ) -> None:
         self.loop, self.store, self.hasher, self.ns = loop, store, hasher, cfg.namespace
         self.partial, self.save = cfg.save_partial_chunks, cfg.save
         self.lookup_timeout_s = cfg.lookup_timeout_s
         self.heads, self.groups = heads, groups or Groups({}, (None,), 1)
+        self.roles = roles or Roles(wait_s=cfg.load_timeout_s)
         self.pending_tables: dict[str, torch.Tensor] = {}
         self.names = PartNames()  # the looked-up chunks' head-0 parts (the server's removals)
         self.stats = ConnectorStats()
@@ -87,20 +96,34 @@ class SchedulerSide:
         tr = self.tracked.get(request.request_id)
         if tr is None:
             tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int32)
-            chunks = prefix_chunks(self.hasher, tokens, self.partial)
-            tr = Tracked(RequestState(chunks, tokens, prefix_chunks=len(chunks)))
+            params, roles = getattr(request, "kv_transfer_params", None), self.roles
+            handoff = roles.produce and self.save and hands_off(params)
+            remote = roles.consume and takes_over(params)
+            # P/D moves the whole prompt: its partial last chunk too
+            chunks = prefix_chunks(self.hasher, tokens, self.partial or handoff or remote)
+            tr = Tracked(RequestState(chunks, tokens, prefix_chunks=len(chunks)), handoff=handoff)
+            if remote:
+                claim = read_claim(params, chunks, roles.salt)
+                if isinstance(claim, str):
+                    roles.refused += 1
+                    log.warning("tierkv: request %s: %s: not waited for", request.request_id, claim)
+                else:
+                    tr.waiting = Waiting(claim.chunks, time.monotonic() + roles.wait_s)
             self.tracked[request.request_id] = tr
         return tr
 
-    def matched(self, request: Any, num_computed_tokens: int) -> int:
+    def matched(self, request: Any, num_computed_tokens: int) -> int | None:
         """Prompt tokens after num_computed_tokens whose chunks the shared tier holds (never
         the last prompt token). A chunk counts only when every KV head's part (every rank's)
-        is present: one lookup of all parts."""
+        is present: one lookup of all parts. None: a remote prefill's chunks are not all
+        present yet (vLLM asks again in a later step)."""
         tr = self._track(request)
         st = tr.state
         tr.lookup_from = num_computed_tokens
-        if not st.chunks or tr.failed:
+        if not st.chunks or tr.failed or not self.roles.consume:
             return 0
+        if tr.waiting is not None and not tr.waiting.due():
+            return None
         self.stats.lookups += 1
         try:
             keys = part_keys(st.chunks, self.heads)
@@ -110,6 +133,12 @@ class SchedulerSide:
         except Exception as e:  # a slow or failing store is a miss
             log.warning("tierkv lookup failed (%r): miss", e)
             where = [None] * len(st.chunks)
+        if tr.waiting is not None:
+            ready = tr.waiting.settled(where)
+            if ready is None:
+                return None
+            self.roles.timeouts += not ready
+            tr.waiting = None
         names = [self.store.tiers[w].name if w is not None else None for w in where]
         new = record_lookup(st, names, num_computed_tokens, False)
         self.stats.lookup_hit_tokens += new
@@ -185,9 +214,11 @@ class SchedulerSide:
         """The prompt chunks this step completes, unless the store had them or they were
         computed before the connector saw the request."""
         st = tr.state
-        if not self.save or computed >= len(st.tokens):
+        if not self.save or not self.roles.produce or computed >= len(st.tokens):
             return
         stop, blocks = computed + so.num_scheduled_tokens.get(rid, 0), None
+        if tr.handoff and stop >= len(st.tokens):
+            meta.handoffs.append(rid)
         while st.saved_upto < len(st.chunks) and st.chunks[st.saved_upto].end <= stop:
             c = st.chunks[st.saved_upto]
             st.saved_upto += 1
@@ -215,7 +246,15 @@ class SchedulerSide:
             if tr is not None:
                 tr.failed = True
 
-    def finished(self, request: Any) -> bool:
-        """True: hold the request's blocks until the worker reports its saves done."""
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """True: hold the request's blocks until the worker reports its saves done; and, for
+        a prefill whose decode runs elsewhere, the claim the decode instance needs."""
         tr = self.tracked.pop(request.request_id, None)
-        return tr is not None and tr.saving
+        if tr is None:
+            return False, None
+        n = tr.state.saved_upto
+        if not tr.handoff or not n:
+            return tr.saving, None
+        self.roles.handoffs += 1
+        claim = Claim(tr.state.chunks[n - 1].end, n, self.roles.salt)
+        return tr.saving, claim.params()

@@ -241,6 +241,18 @@ class WorkerSide:
     def save_layer(self, name: str, kv_layer: torch.Tensor) -> None:
         self.core.save_layer(self.index[name], kv_layer)
 
+    def hand_off(self, request_ids: list[str]) -> None:
+        """Prefill requests for a remote decode whose prompt ended this step: vLLM sends their
+        response once this step's output is back, before get_finished, so the step waits here
+        (at most load_timeout_s each) until their puts ended and the write-behind reached the
+        shared tier; a decode instance that still misses a chunk waits for it (tierkv.vllm.pd)."""
+        core = self.core
+        core.settled(set(), set(request_ids))
+        try:
+            core.loop.run(core.store.drain(), core.config.load_timeout_s)
+        except Exception as e:  # the decode instance waits, then recomputes what is missing
+            log.warning("tierkv: hand-off of %s not on the shared tier: %r", request_ids, e)
+
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks vLLM may free now: finished, every save of theirs put. vLLM
         names a finished request once, in the step after it ended, and may idle after that
