@@ -178,10 +178,14 @@ class Fleet:
         remote = f"grpc://127.0.0.1:{server.port}"
         events = f"tcp://127.0.0.1:{free_port()}" if cfg.policy == "kv_aware" else None
         if cfg.engine == "tierkv":
-            model = ["--random-config", cfg.model[7:]] if cfg.model.startswith("random:") else [
-                "--model",
-                cfg.model,
-            ]
+            model = (
+                ["--random-config", cfg.model[7:]]
+                if cfg.model.startswith("random:")
+                else [
+                    "--model",
+                    cfg.model,
+                ]
+            )
             cmd = [sys.executable, "-P", "-m", "tierkv.engine.cli", "serve", *model]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype]
             cmd += ["--served-model-name", cfg.served_name, "--remote", remote]

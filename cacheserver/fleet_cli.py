@@ -1,8 +1,8 @@
 """`tierkv-fleet`: a fleet on this host (cacheserver/fleet.py) until Ctrl-C.
 
-    tierkv-fleet --model ./SmolLM2 --replicas 2 --policy kv_aware
-    tierkv-fleet --model ./SmolLM2 --pd                     # 1 prefill + 1 decode replica
-    tierkv-fleet --model ./SmolLM2 --nodes 2                # 2 servers over a Redis Cluster
+tierkv-fleet --model ./SmolLM2 --replicas 2 --policy kv_aware
+tierkv-fleet --model ./SmolLM2 --pd                     # 1 prefill + 1 decode replica
+tierkv-fleet --model ./SmolLM2 --nodes 2                # 2 servers over a Redis Cluster
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         fleet.start()
-        print(f"tierkv-fleet: router {fleet.url} (model {cfg.served_name!r}), logs in {cfg.log_dir}")
+        print(f"tierkv-fleet: router {fleet.url}, model {cfg.served_name!r}, logs {cfg.log_dir}")
         for n, s in enumerate(fleet.servers):
             print(f"  server{n}  grpc://127.0.0.1:{s.port}")
         for i, r in enumerate(fleet.replicas):
