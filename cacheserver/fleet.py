@@ -161,7 +161,7 @@ class Fleet:
         cmd += ["--cache-dir", str(self.cfg.log_dir / f"server{n}"), "--cpu-bytes"]
         cmd += [self.cfg.server_cpu]
         if isinstance(self.redis, RedisCluster):
-            cmd += ["--redis-url", self.redis.url.replace("redis://", "redis+cluster://")]
+            cmd += ["--redis-url", self.redis.cluster_url]
         elif self.redis is not None:
             cmd += ["--redis-url", self.redis.url]
         return Proc(f"server{n}", cmd, port)
@@ -231,6 +231,7 @@ class Fleet:
         exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
         cmd = [exe, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--log-dir", str(cfg.log_dir / "router")]
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         urls = [r.url for r in self.replicas]
         if cfg.pd:
             cmd += ["--vllm-pd-disaggregation", "--prefill", urls[0]]

@@ -132,6 +132,12 @@ class RedisCluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0"
 
+    @property
+    def cluster_url(self) -> str:
+        """Every node as a startup node: the client finds the cluster through any live one."""
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return f"redis+cluster://{hosts}/0"
+
     def start(self, timeout: float = 20.0) -> RedisCluster:
         flags = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]
         flags += ["--cluster-config-file", "nodes.conf"]

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, RedisError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -40,11 +40,22 @@ from tierkv.storage_backends.tier import BaseTier, SegmentLayer
 
 log = logging.getLogger("tierkv.redis")
 # Redis unreachable or too slow: these start a backoff. Other RedisErrors are one refused call.
-_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, OSError, asyncio.TimeoutError)
+# (RedisClusterException: no startup node reachable, or the slots not yet covered after a
+# failover; it is no RedisError.)
+_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    RedisClusterException,
+    OSError,
+    asyncio.TimeoutError,
+)
 
 
 @dataclass(slots=True)
 class RedisTierConfig:
+    # redis://, rediss://, or redis+cluster://h1:p1,h2:p2/0 (a cluster's startup nodes: the
+    # client finds the cluster from any of them that answers)
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False  # Redis Cluster client; also chosen by a redis+cluster:// URL
     ttl_s: int = 0  # expiry of every value (0: none; Redis' own maxmemory policy applies)
@@ -89,7 +100,10 @@ class RedisTier(BaseTier):
         if c.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {c.max_connections}")
         if cluster:
-            self.client = RedisCluster.from_url(url, max_connections=c.max_connections, **opts)
+            url, more = startup_nodes(url)
+            self.client = RedisCluster.from_url(
+                url, startup_nodes=more or None, max_connections=c.max_connections, **opts
+            )
         else:
             # No client-side retries: the tier's own backoff decides when to try again.
             pool = aioredis.BlockingConnectionPool.from_url(
@@ -260,3 +274,19 @@ class RedisTier(BaseTier):
             await self.client.aclose()
         except (RedisError, OSError):
             pass
+
+
+def startup_nodes(url: str) -> tuple[str, list[ClusterNode]]:
+    """A cluster URL with several hosts (`redis://h1:p1,h2:p2/0`) as the URL of its first host
+    and the others as startup nodes."""
+    scheme, rest = url.split("://", 1)
+    netloc, _, path = rest.partition("/")
+    auth, _, hosts = netloc.rpartition("@")
+    first, *more = hosts.split(",")
+    nodes = []
+    for h in more:
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad cluster node {h!r} in the Redis URL (host:port expected)")
+        nodes.append(ClusterNode(host, int(port)))
+    return f"{scheme}://{auth + '@' if auth else ''}{first}/{path}", nodes

@@ -1,0 +1,187 @@
+"""tierkv-fleet with real processes: two `tierkv-engine serve` replicas behind a real vllm-router
+over one tierkv-server, and two nodes (a server each) over a real Redis Cluster whose master
+fails over. Every answer is checked against the engine's own cold run (fp32, greedy)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.serve_helpers import tiny_checkpoint
+from tierkv.cacheserver.fleet import Fleet, FleetConfig, healthy
+from tierkv.engine import LLM, SamplingParams
+
+SYSTEM = list(range(10, 74))  # a shared 64-token prefix: 4 chunks of 16
+QUESTIONS = [[200 + i, 201 + i, 202 + i] for i in range(4)]
+# prompts with nothing in common: each is a first sighting for a replica that has not seen it
+ALONE = [random.Random(k).sample(range(4, 250), 67) for k in range(6)]
+NEW = 8
+RUN: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 10}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("fleet-model"))
+
+
+@pytest.fixture(scope="module")
+def cold(ckpt: Path) -> dict[tuple[int, ...], str]:
+    """The engine's own greedy answers, no cache anywhere."""
+    llm = LLM(str(ckpt), dtype="fp32", kv_cache_bytes=1 << 22, enable_prefix_caching=False)
+    prompts = [SYSTEM + q for q in QUESTIONS] + ALONE
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return {tuple(p): o.text for p, o in zip(prompts, outs)}
+
+
+def config(ckpt: Path, log_dir: Path, **kw: Any) -> FleetConfig:
+    knobs: dict[str, Any] = {"dtype": "fp32", "chunk_size": 16, "replica_cpu": "8MiB"}
+    return FleetConfig(model=str(ckpt), server_cpu="64MiB", log_dir=log_dir, **(knobs | kw))
+
+
+def complete(url: str, prompt: list[int], stream: bool = False) -> tuple[str, dict[str, Any]]:
+    """(text, usage) of a greedy completion of token ids at url (a router or a replica)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        if not stream:
+            out = json.loads(r.read())
+            return out["choices"][0]["text"], out["usage"]
+        text, usage = "", {}
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk["choices"])
+                usage = chunk.get("usage") or usage
+        return text, usage
+
+
+@pytest.fixture(scope="module")
+def fleet(ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    f = Fleet(config(ckpt, tmp_path_factory.mktemp("fleet-logs"), policy="round_robin"))
+    f.start()
+    yield f
+    f.stop()
+
+
+def test_router_answers_equal_cold_and_the_prefix_loads_on_every_replica(
+    fleet: Fleet, cold: dict[tuple[int, ...], str]
+) -> None:
+    """Round robin sends the questions to both replicas: every answer, streamed or not, is the
+    cold one, and after the first request each replica finds the shared prefix cached (its own
+    blocks, or the server that the other replica saved it to)."""
+    loaded = []
+    for i, q in enumerate(QUESTIONS):
+        prompt = SYSTEM + q
+        text, usage = complete(fleet.url, prompt, stream=bool(i % 2))
+        assert text == cold[tuple(prompt)]
+        if i:
+            loaded.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert all(n >= len(SYSTEM) for n in loaded), loaded
+    assert all(healthy(r.url) for r in fleet.replicas)
+
+
+def test_a_replica_killed_mid_stream_gets_an_error_or_the_cold_answer(
+    fleet: Fleet, cold: dict[tuple[int, ...], str]
+) -> None:
+    """Streams in flight while replica 1 is killed: each ends (no hang) with the cold answer or
+    an error; afterwards the router sends everything to the live replica, with cold answers."""
+    prompt = SYSTEM + QUESTIONS[0]
+    results: list[str | Exception] = []
+
+    def ask() -> None:
+        try:
+            results.append(complete(fleet.url, prompt, stream=True)[0])
+        except Exception as e:  # the killed replica's stream: an error, not wrong tokens
+            results.append(e)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    fleet.replicas[1].stop(kill=True)
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads) and len(results) == 4
+    assert all(r == cold[tuple(prompt)] for r in results if isinstance(r, str)), results
+    deadline = time.monotonic() + 60
+    answers = []
+    while len(answers) < 4 and time.monotonic() < deadline:
+        try:
+            answers.append(complete(fleet.url, prompt)[0])
+        except Exception:
+            time.sleep(1)  # the router's health check has not yet taken replica 1 out
+    assert answers == [cold[tuple(prompt)]] * 4
+
+
+def test_two_nodes_share_kv_through_a_redis_cluster_that_fails_over(
+    ckpt: Path, cold: dict[tuple[int, ...], str], tmp_path: Path
+) -> None:
+    """Node A's replica stores prompts (through its server into the cluster); a cluster master is
+    killed; node B's replica answers them from the cluster through its own server."""
+    f = Fleet(config(ckpt, tmp_path, nodes=2, replica_cpu="0", policy="round_robin"))
+    f.start()
+    try:
+        a, b = f.replicas
+        assert f.servers[0].port != f.servers[1].port
+        prompts = ALONE
+        for p in prompts:
+            assert complete(a.url, p)[0] == cold[tuple(p)]
+        from tierkv.cacheserver.launch import RedisCluster
+
+        assert isinstance(f.redis, RedisCluster)
+        master = f.redis.nodes[0]  # a master (redis-cli makes the first nodes masters)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the server's write-behind puts, then replication
+            size = subprocess.run(["redis-cli", "-p", str(master.port), "dbsize"], **RUN).stdout
+            acked = subprocess.run(
+                ["redis-cli", "-p", str(master.port), "wait", "1", "1000"], **RUN
+            )
+            if int(size) > 0 and acked.stdout.strip() == "1":
+                break
+            time.sleep(0.5)
+        master.stop(kill=True)  # its replica takes its slots over
+        ok = f.redis.nodes[-1]
+        while (
+            "cluster_state:ok"
+            not in subprocess.run(
+                ["redis-cli", "-p", str(ok.port), "cluster", "info"], **RUN
+            ).stdout
+        ):
+            assert time.monotonic() < deadline + 30, "the cluster did not fail over"
+            time.sleep(0.5)
+        time.sleep(2)  # past the redis tier's backoff (at most 10 s: the loop below waits more)
+        # Node B has never seen these prompts: the first one's prefix comes through B's server
+        # from the cluster (a miss while the tier's backoff lasts is a recompute: retried with
+        # prompts B has not seen either); every answer is the cold one.
+        sources = []
+        for p in prompts:
+            text, usage = complete(b.url, p)
+            assert text == cold[tuple(p)]
+            sources.append(usage["cached_tokens_by_source"])
+            time.sleep(1.5)
+        assert any(s.get("remote", 0) >= len(SYSTEM) for s in sources), sources
+    finally:
+        f.stop()
+
+
+def test_fleet_command_line_parses() -> None:
+    from tierkv.cacheserver.fleet_cli import parser
+
+    args = parser().parse_args(["--model", "m", "--pd", "--nodes", "2", "--policy", "kv_aware"])
+    assert (args.pd, args.nodes, args.policy, args.replicas) == (True, 2, "kv_aware", None)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--model", "m", "--policy", "nearest"])
