@@ -10,7 +10,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4"
 
 # The parts are listed once, in pyproject.toml; .dockerignore leaves out what is not installed.
 COPY . .
-RUN pip install .
+RUN pip install . "vllm-router==0.1.17"
 
 RUN useradd --system --uid 10001 tierkv && mkdir -p /var/cache/tierkv && chown tierkv /var/cache/tierkv
 USER tierkv

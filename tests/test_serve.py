@@ -359,3 +359,18 @@ def test_compose_runs_two_replicas_on_the_server() -> None:
         assert all(p.startswith("127.0.0.1:") for p in svc["ports"])
         published |= set(svc["ports"])
     assert len(published) == 2
+
+
+def test_compose_router_fronts_the_two_replicas() -> None:
+    """The compose file's router command parses with vllm-router's own parser and names the
+    two serve replicas as its workers."""
+    import yaml
+    from vllm_router.launch_router import parse_router_args
+
+    root = Path(__file__).resolve().parent.parent
+    services = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
+    router = services["router"]
+    args = parse_router_args(router["command"])
+    assert router["entrypoint"] == ["vllm-router"] and args.policy == "cache_aware"
+    assert args.worker_urls == ["http://serve-a:8000", "http://serve-b:8000"]
+    assert router["ports"] == ["127.0.0.1:8000:8000"]
