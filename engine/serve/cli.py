@@ -37,13 +37,19 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     )
     e = p.add_argument_group("KV cache events (vLLM's KVEventsConfig)")
     e.add_argument("--kv-events-endpoint", default=None, help=knob_help(sc, "kv_events_endpoint"))
-    e.add_argument("--kv-events-replay-endpoint", default=None, help="replay ROUTER endpoint")
-    e.add_argument("--kv-events-topic", default=d.kv_events_topic, help="topic of every batch")
+    e.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help=knob_help(sc, "kv_events_replay_endpoint"),
+    )
+    e.add_argument(
+        "--kv-events-topic", default=d.kv_events_topic, help=knob_help(sc, "kv_events_topic")
+    )
     e.add_argument(
         "--kv-events-buffer-steps",
         type=int,
         default=d.kv_events_buffer_steps,
-        help="batches kept for replay",
+        help=knob_help(sc, "kv_events_buffer_steps"),
     )
 
 

@@ -30,12 +30,12 @@ class ServeConfig:
     # the shared tier before it answers; what is not there by then the decode side recomputes.
     pd_flush_timeout_s: float = 10.0
     # KV cache events in vLLM's wire format (ZMQ PUB of msgpack batches), as vLLM's
-    # KVEventsConfig: the PUB endpoint (None: off; `tcp://*:5557` binds, `tcp://host:5557`
-    # connects), a ROUTER endpoint that replays missed batches, the topic, batches kept to replay.
+    # KVEventsConfig: the PUB endpoint; None = off; tcp://*:5557 binds, tcp://host:5557 connects
     kv_events_endpoint: str | None = None
+    # a ROUTER endpoint that replays kept batches to a subscriber that missed some; None = off
     kv_events_replay_endpoint: str | None = None
-    kv_events_topic: str = ""
-    kv_events_buffer_steps: int = 10_000
+    kv_events_topic: str = ""  # the topic frame of every event batch
+    kv_events_buffer_steps: int = 10_000  # event batches kept for replay
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
