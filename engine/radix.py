@@ -9,6 +9,7 @@ the root, so an unlocked node has no locked descendant and only unlocked leaves 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tierkv.engine.invariants import invariant
@@ -36,6 +37,11 @@ class RadixStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
+# Called with ("stored" | "removed", the tokens from the root to the end of the blocks, how
+# many blocks at its end came or went): observers such as KV events; it must not raise.
+ChangeHook = Callable[[str, tuple[int, ...], int], None]
+
+
 class RadixTree:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -43,6 +49,7 @@ class RadixTree:
         self.num_blocks = 0
         self.stats = RadixStats()
         self._clock = 0
+        self.on_change: ChangeHook | None = None
 
     def _tick(self) -> int:
         self._clock += 1
@@ -109,6 +116,8 @@ class RadixTree:
         child = Node(tuple(tokens[len(have) * bs :]), list(rest), node, {}, 0, self._tick())
         node.children[child.key[:bs]] = child
         self.num_blocks += len(rest)
+        if self.on_change is not None:
+            self.on_change("stored", tuple(tokens), len(rest))
         return child, list(rest)
 
     def lock(self, node: Node) -> None:
@@ -150,6 +159,8 @@ class RadixTree:
         while heap and len(out) < num_blocks:
             _, _, n = heapq.heappop(heap)
             take = min(num_blocks - len(out), len(n.blocks))
+            if self.on_change is not None:
+                self.on_change("removed", self._path(n), take)
             out += n.blocks[len(n.blocks) - take :][::-1]
             del n.blocks[len(n.blocks) - take :]
             n.key = n.key[: len(n.blocks) * self.block_size]
@@ -162,6 +173,15 @@ class RadixTree:
         self.num_blocks -= len(out)
         self.stats.evicted_blocks += len(out)
         return out
+
+    def _path(self, node: Node) -> tuple[int, ...]:
+        """The tokens from the root to the end of node."""
+        keys: list[tuple[int, ...]] = []
+        n: Node | None = node
+        while n is not None:
+            keys.append(n.key)
+            n = n.parent
+        return tuple(t for k in reversed(keys) for t in k)
 
     def all_blocks(self) -> list[int]:
         out, stack = [], [self.root]

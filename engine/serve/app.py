@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -12,12 +13,16 @@ from typing import Any
 from aiohttp import web
 
 from tierkv.engine.llm import LLM
+from tierkv.engine.serve.cache_events import start_events
 from tierkv.engine.serve.config import ServeConfig
 from tierkv.engine.serve.engine_loop import EngineLoop, Job, Overloaded, Update
+from tierkv.engine.serve.kv_events import Publisher
 from tierkv.engine.serve.metrics import ServeMetrics
 from tierkv.engine.serve.output import Choice, Shaper, usage
+from tierkv.engine.serve.pd import FIELD, Handoff, Transfer, parse_transfer
 from tierkv.engine.serve.protocol import APIError, ParsedRequest, parse
 
+log = logging.getLogger("tierkv.engine.serve")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -30,6 +35,9 @@ class Server:
         self.llm, self.config = llm, config
         self.metrics = ServeMetrics(connector)
         self.engine = EngineLoop(llm, config.max_pending, self.metrics, config.idle_wait_s)
+        self.handoff = Handoff(connector, config.model_name, config.pd_flush_timeout_s)
+        self.connector = connector
+        self.events: Publisher | None = None
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -42,10 +50,13 @@ class Server:
         app.router.add_get("/metrics", self.prometheus)
 
         async def start(_: web.Application) -> None:
+            self.events = start_events(self.config, self.llm, self.connector)
             self.engine.start()
 
         async def stop(_: web.Application) -> None:
             await asyncio.to_thread(self.engine.stop)
+            if self.events is not None:
+                self.events.close()
 
         app.on_startup.append(start)
         app.on_cleanup.append(stop)
@@ -105,6 +116,9 @@ class Server:
             req = parse(body, chat, self.llm, self.config)
         except ValueError as e:  # SamplingParams' own checks
             raise APIError(400, str(e)) from None
+        transfer = parse_transfer(body)
+        if transfer is not None:
+            self._decode_side(transfer, req)
         q: asyncio.Queue[list[Update]] = asyncio.Queue()
         loop, n = asyncio.get_running_loop(), req.params.n
         jobs = [Job(p, req.params, loop, q, base=i * n) for i, p in enumerate(req.prompts)]
@@ -122,11 +136,40 @@ class Server:
         try:
             if req.stream:
                 return await run.stream(request)
-            return await run.collect()
+            out = await run.collect()
+            if transfer is not None:
+                out[FIELD] = await self._prefill_side(transfer, req, jobs[0])
+            return web.json_response(out)
         finally:
             if not run.finished():  # the client left (the handler is cancelled) or an error
                 for job in jobs:
                     self.engine.abort(job)
+
+    def _decode_side(self, t: Transfer, req: ParsedRequest) -> None:
+        """Check a handoff before the request runs; a decode counts what it was handed."""
+        self.handoff.check(t, req.prompts)
+        if t.prefill and req.stream:
+            raise APIError(400, f"a prefill ('{FIELD}.do_remote_decode') cannot stream", FIELD)
+        if t.decode:
+            why = self.handoff.accepts(t, req.prompts[0], req.params.cache_salt)  # type: ignore[arg-type]
+            self.metrics.pd_decodes.inc()
+            if why is not None:  # the decode loads its own keys only: a recompute, counted
+                self.metrics.pd_refused.inc()
+                log.info("decode handoff refused (%s): the prompt is recomputed", why)
+
+    async def _prefill_side(self, t: Transfer, req: ParsedRequest, job: Job) -> dict | None:
+        """After a prefill: its KV made durable, and the parameters the decode side needs."""
+        if not t.prefill or job.request is None:
+            return None
+        tokens: list[int] = req.prompts[0]  # type: ignore[assignment]
+        params = await asyncio.to_thread(
+            self.handoff.hand_over, job.request.request_id, tokens, req.params.cache_salt
+        )
+        self.metrics.pd_prefills.inc()
+        section = params["tierkv"]
+        if section["durable"] < section["chunks"]:
+            self.metrics.pd_not_durable.inc()
+        return params
 
 
 class Run:
@@ -162,7 +205,7 @@ class Run:
     def usage(self) -> dict[str, Any]:
         return usage([f for f in self.finals if f is not None], self.req.params.n)
 
-    async def collect(self) -> web.Response:
+    async def collect(self) -> dict[str, Any]:
         while not self.finished():
             for up in await self.jobs[0].queue.get():
                 self.apply(up)
@@ -170,7 +213,7 @@ class Run:
         choices = [
             sh.choice(c, c.text, 0, len(c.token_ids), 0, lp, True, False) for c in self.choices
         ]
-        return web.json_response(sh.body(choices, False, self.usage()))
+        return sh.body(choices, False, self.usage())
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         q = self.jobs[0].queue

@@ -29,6 +29,28 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         default=d.default_chat_max_tokens,
         help=knob_help(sc, "default_chat_max_tokens"),
     )
+    s.add_argument(
+        "--pd-flush-timeout",
+        type=float,
+        default=d.pd_flush_timeout_s,
+        help=knob_help(sc, "pd_flush_timeout_s"),
+    )
+    e = p.add_argument_group("KV cache events (vLLM's KVEventsConfig)")
+    e.add_argument("--kv-events-endpoint", default=None, help=knob_help(sc, "kv_events_endpoint"))
+    e.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help=knob_help(sc, "kv_events_replay_endpoint"),
+    )
+    e.add_argument(
+        "--kv-events-topic", default=d.kv_events_topic, help=knob_help(sc, "kv_events_topic")
+    )
+    e.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        default=d.kv_events_buffer_steps,
+        help=knob_help(sc, "kv_events_buffer_steps"),
+    )
 
 
 def config_of(args: argparse.Namespace) -> ServeConfig:
@@ -40,6 +62,11 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
         model_name=name,
         max_pending=args.max_pending,
         default_chat_max_tokens=args.default_max_tokens,
+        pd_flush_timeout_s=args.pd_flush_timeout,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_buffer_steps=args.kv_events_buffer_steps,
     )
 
 

@@ -44,6 +44,18 @@ class ServeMetrics:
         self.connector_hit_tokens = Counter(
             "tierkv_serve_connector_hit_tokens", "prompt tokens loaded by the connector", registry=r
         )
+        self.pd_prefills = Counter("tierkv_serve_pd_prefills", "prefills handed over", registry=r)
+        self.pd_not_durable = Counter(
+            "tierkv_serve_pd_not_durable",
+            "prefills whose KV was not all on the shared tier by the flush deadline",
+            registry=r,
+        )
+        self.pd_decodes = Counter("tierkv_serve_pd_decodes", "decodes of a handoff", registry=r)
+        self.pd_refused = Counter(
+            "tierkv_serve_pd_refused",
+            "handoffs naming another model's, namespace's or engine's KV (recomputed)",
+            registry=r,
+        )
         self.state: dict[str, float] = {}  # swapped whole by the engine thread
         r.register(_StateCollector(self))
         if connector is not None and hasattr(connector, "stats"):

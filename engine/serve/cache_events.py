@@ -1,0 +1,122 @@
+"""What serve publishes as KV events: the engine's prefix cache (its blocks, medium GPU, as vLLM
+names device blocks) and the connector's tiers.
+
+Every event names engine blocks (`block_size` tokens, the size routers split token ids by): a
+prefix-cache block under a chained xxh3_64 of its tokens, a stored chunk as its full blocks under
+xxh3_64(chunk key || block index), chained to the previous chunk's last block. Hashes are
+unsigned 64-bit ints, as vLLM writes its own by default; routers match prompts by the token ids.
+
+Media, chosen so vllm-router's kv_aware admits and credits them (its admission takes media GPU,
+DEVICE, CPU, HOST, HOST_PINNED, DISK and STORAGE or none, and an `ownership` only with locality
+REMOTE, which it credits as external): the replica's own tiers are `GPU`, `CPU` and `DISK` with
+locality LOCAL and no ownership (device, host and disk credits); the shared tier is medium None,
+locality REMOTE and ownership `SERVER` (a tierkv-server) or `REDIS` (external credit).
+
+A prompt under a cache_salt is a tenant's own: its prefix-cache blocks are not published (the
+tree keys them by a salted first token, not the prompt's).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from tierkv.engine.serve.kv_events import BlockRemoved, BlockStored, KVCacheEvent, Publisher
+from tierkv.storage_backends.tier import TierChange
+
+PREFIX_SEED = b"tierkv-prefix-cache"
+NO_PARENT = bytes(16)
+SHARED = {"remote": "SERVER", "redis": "REDIS"}
+
+
+def chain(tokens: tuple[int, ...], block_size: int) -> list[int]:
+    """One chained hash per full block of tokens."""
+    out, prev = [], PREFIX_SEED
+    arr = np.asarray(tokens, dtype="<i4")
+    for i in range(len(tokens) // block_size):
+        h = xxhash.xxh3_64(prev)
+        h.update(arr[i * block_size : (i + 1) * block_size].tobytes())
+        prev = h.digest()
+        out.append(h.intdigest())
+    return out
+
+
+def chunk_blocks(key: bytes, n: int) -> list[int]:
+    """The hashes of a stored chunk's first n blocks."""
+    return [xxhash.xxh3_64_intdigest(key + struct.pack("<I", j)) for j in range(n)]
+
+
+class CacheEvents:
+    """Hooks that turn the prefix cache's and the tiers' changes into events for publisher."""
+
+    def __init__(self, publisher: Publisher, block_size: int, chunk_size: int, ns: str) -> None:
+        self.publisher, self.block_size, self.chunk_size, self.ns = (
+            publisher,
+            block_size,
+            chunk_size,
+            ns,
+        )
+
+    def prefix_cache(self, kind: str, path: tuple[int, ...], n: int) -> None:
+        """RadixTree.on_change: the last n blocks of path came or went (engine thread)."""
+        if not path or path[0] < 0:
+            return
+        bs = self.block_size
+        hashes = chain(path, bs)
+        ev: KVCacheEvent
+        if kind == "stored":
+            parent = hashes[-n - 1] if len(hashes) > n else None
+            tokens = [int(t) for t in path[len(path) - n * bs :]]
+            ev = BlockStored(hashes[-n:], parent, tokens, bs, None, "GPU", None, locality="LOCAL")
+        else:
+            ev = BlockRemoved(hashes[-n:], "GPU", locality="LOCAL")
+        self.publisher.add([ev])
+
+    def tiers(self, c: TierChange) -> None:
+        """TieredStore.watch: a chunk came into a tier or left it (the connector's loop)."""
+        if c.ns != self.ns:
+            return
+        shared = SHARED.get(c.tier)
+        where: dict[str, Any] = (
+            {"medium": None, "locality": "REMOTE", "ownership": shared}
+            if shared
+            else {"medium": c.tier.upper(), "locality": "LOCAL"}
+        )
+        bs, h = self.block_size, c.header
+        ev: KVCacheEvent
+        if c.kind == "stored" and h is not None:
+            n = len(h.tokens) // bs
+            if not n:
+                return
+            parent = None
+            if bytes(h.parent) != NO_PARENT:
+                parent = chunk_blocks(bytes(h.parent), self.chunk_size // bs)[-1]
+            tokens = [int(t) for t in h.tokens[: n * bs]]
+            blocks = chunk_blocks(c.key, n)
+            ev = BlockStored(blocks, parent, tokens, bs, None, lora_name=None, **where)
+        else:  # the block count of a chunk that left is not known: name every block it can have
+            ev = BlockRemoved(chunk_blocks(c.key, self.chunk_size // bs), **where)
+        self.publisher.add([ev])
+
+
+def start_events(cfg: Any, llm: Any, connector: Any) -> Publisher | None:
+    """A publisher fed by the engine's prefix cache and the connector's tiers, if asked for."""
+    if cfg.kv_events_endpoint is None:
+        return None
+    pub = Publisher(
+        cfg.kv_events_endpoint,
+        cfg.kv_events_replay_endpoint,
+        cfg.kv_events_topic,
+        cfg.kv_events_buffer_steps,
+    )
+    chunk = connector.config.chunk_size if connector is not None else llm.config.block_size
+    ns = connector.ns if connector is not None else ""
+    events = CacheEvents(pub, llm.config.block_size, chunk, ns)
+    if llm.blocks.tree is not None:
+        llm.blocks.tree.on_change = events.prefix_cache
+    if connector is not None:
+        connector.store.watch(events.tiers)
+    return pub
