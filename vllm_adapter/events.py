@@ -5,9 +5,9 @@ One event names one tierkv chunk: `block_hashes` is its key (written as vLLM wri
 hashes: the low 64 bits as an int by default, see block_hash), `parent_block_hash` the previous
 chunk's (None for a prompt's first chunk), `token_ids` its tokens and `block_size` the chunk
 size (a prompt's last, partial chunk carries fewer tokens), so a router can rebuild the chain
-from token ids. `medium` is the tier: CPU, DISK, GPU (tierkv's own gpu tier), SERVER
-(a tierkv-server) or REDIS; `ownership` is "tierkv", `locality` LOCAL for the worker's own tiers
-and REMOTE for the shared one.
+from token ids. Where the chunk is (tierkv.connector.placement, as vllm-router's kv_aware reads
+it): the worker's own tiers as medium CPU, DISK or GPU with locality LOCAL; the shared tier as
+no medium, locality REMOTE and ownership SERVER (a tierkv-server) or REDIS.
 
 Where they come from: the worker's store reports its tiers' changes (tierkv.storage_backends'
 TierChange), which ride the step's output to the scheduler (`TierKVEvents`); keys leaving a
@@ -34,19 +34,14 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tierkv.connector.placement import SHARED, placement
 from tierkv.storage_backends.tier import TierChange
 from tierkv.vllm.ranks import PartNames
 
 log = logging.getLogger("tierkv.vllm")
-OWNER = "tierkv"
-REMOTE_TIERS = ("remote", "redis")  # the shared tier's names (the rest are the worker's own)
+REMOTE_TIERS = tuple(SHARED)  # the shared tier's names (the rest are the worker's own)
 NO_PARENT = bytes(16)
 LOCAL_ORDER = ("gpu", "cpu", "disk")  # the worker's own tiers, fastest first
-
-
-def medium(tier: str) -> str:
-    """The event medium of a tier's name ("remote" is a tierkv-server)."""
-    return "SERVER" if tier == "remote" else tier.upper()
 
 
 def block_hash(key: bytes) -> bytes | int:
@@ -69,16 +64,13 @@ def hit_sources(split: dict[str, int]) -> dict[CacheHitSource, int]:
 
 def to_event(c: TierChange, chunk: bytes, chunk_size: int) -> KVCacheEvent:
     """The event of c, whose entry is chunk's head-0 part."""
-    where = "REMOTE" if c.tier in REMOTE_TIERS else "LOCAL"
+    at = placement(c.tier)
     if c.kind == "removed" or c.header is None:
-        return BlockRemoved([block_hash(chunk)], medium(c.tier), locality=where, ownership=OWNER)
+        return BlockRemoved([block_hash(chunk)], **at)
     h = c.header
     parent = None if h.parent == NO_PARENT else block_hash(h.parent)
     tokens = [int(t) for t in h.tokens]
-    return BlockStored(
-        [block_hash(chunk)], parent, tokens, chunk_size, None, medium(c.tier), None,
-        locality=where, ownership=OWNER,
-    )  # fmt: skip
+    return BlockStored([block_hash(chunk)], parent, tokens, chunk_size, None, lora_name=None, **at)
 
 
 @dataclass(slots=True, eq=False)
@@ -165,7 +157,7 @@ async def follow_server(tier: object, box: Outbox, names: PartNames) -> None:
                 chunks = [c for c in map(names.chunk, (r.key for r in ev.removed)) if c]
                 items = [
                     ("remote", "removed", c, BlockRemoved(
-                        [block_hash(c)], "SERVER", locality="REMOTE", ownership=OWNER))
+                        [block_hash(c)], **placement("remote")))
                     for c in chunks
                 ]  # fmt: skip
                 box.add(items)

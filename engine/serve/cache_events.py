@@ -6,11 +6,10 @@ prefix-cache block under a chained xxh3_64 of its tokens, a stored chunk as its 
 xxh3_64(chunk key || block index), chained to the previous chunk's last block. Hashes are
 unsigned 64-bit ints, as vLLM writes its own by default; routers match prompts by the token ids.
 
-Media, chosen so vllm-router's kv_aware admits and credits them (its admission takes media GPU,
-DEVICE, CPU, HOST, HOST_PINNED, DISK and STORAGE or none, and an `ownership` only with locality
-REMOTE, which it credits as external): the replica's own tiers are `GPU`, `CPU` and `DISK` with
-locality LOCAL and no ownership (device, host and disk credits); the shared tier is medium None,
-locality REMOTE and ownership `SERVER` (a tierkv-server) or `REDIS` (external credit).
+Media as vllm-router's kv_aware admits and credits them (tierkv.connector.placement): the
+replica's own tiers are `GPU`, `CPU` and `DISK` with locality LOCAL and no ownership (device,
+host and disk credits); the shared tier is medium None, locality REMOTE and ownership `SERVER`
+(a tierkv-server) or `REDIS` (external credit).
 
 A prompt under a cache_salt is a tenant's own: its prefix-cache blocks are not published (the
 tree keys them by a salted first token, not the prompt's).
@@ -24,12 +23,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tierkv.connector.placement import placement
 from tierkv.engine.serve.kv_events import BlockRemoved, BlockStored, KVCacheEvent, Publisher
 from tierkv.storage_backends.tier import TierChange
 
 PREFIX_SEED = b"tierkv-prefix-cache"
 NO_PARENT = bytes(16)
-SHARED = {"remote": "SERVER", "redis": "REDIS"}
 
 
 def chain(tokens: tuple[int, ...], block_size: int) -> list[int]:
@@ -79,12 +78,7 @@ class CacheEvents:
         """TieredStore.watch: a chunk came into a tier or left it (the connector's loop)."""
         if c.ns != self.ns:
             return
-        shared = SHARED.get(c.tier)
-        where: dict[str, Any] = (
-            {"medium": None, "locality": "REMOTE", "ownership": shared}
-            if shared
-            else {"medium": c.tier.upper(), "locality": "LOCAL"}
-        )
+        where = placement(c.tier)
         bs, h = self.block_size, c.header
         ev: KVCacheEvent
         if c.kind == "stored" and h is not None:

@@ -83,15 +83,21 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch).events
     assert back == events
     h = {s.key: block_hash(chunk(i)) for i, s in ((0, a), (1, b), (2, c), (9, seg(9)))}
-    stored = [(e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockStored)]
+    stored = [
+        (e.ownership or e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockStored)
+    ]
     want = {(m, h[s.key]) for s in (a, b, c) for m in ("CPU", "REDIS")}
     assert want == set(stored) and len(stored) == len(want)  # not the head-1 part
-    removed = [(e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockRemoved)]
+    removed = [
+        (e.ownership or e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockRemoved)
+    ]
     assert ("CPU", h[a.key]) in removed  # the cpu tier (two chunks) evicted the oldest
     assert ("REDIS", h[a.key]) in removed  # the corrupt value
     sb = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [h[b.key]])
     assert sb.parent_block_hash == h[a.key] and sb.token_ids == list(range(T, 2 * T))
-    assert sb.block_size == T and sb.locality == "LOCAL" and sb.ownership == "tierkv"
+    assert sb.block_size == T and sb.locality == "LOCAL" and sb.ownership is None
+    rb = next(e for e in events if isinstance(e, BlockStored) and e.ownership == "REDIS")
+    assert rb.medium is None and rb.locality == "REMOTE"  # as vllm-router's kv_aware admits it
     first = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [h[a.key]])
     assert first.parent_block_hash is None
     assert h[seg(9).key] not in {e.block_hashes[0] for e in events}
