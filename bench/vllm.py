@@ -42,8 +42,32 @@ ENV = {
 }
 
 
-# role -> tensor parallel size; a "_tp2" role runs its engine over two ranks, one core each
-TP = {"cold": 1, "save": 1, "load": 1, "offload": 1, "cold_tp2": 2, "load_tp2": 2, "tierkv": 1}
+# role -> tensor parallel size; a "_tp2" role runs its engine over two ranks, one core each.
+# SmolLM2 has 9 attention heads, which vLLM does not split over 2 ranks ("Total number of
+# attention heads (9) must be divisible by tensor parallel size (2)"): the TP roles and the
+# TP=1 save they load from ("save_r") run a random-weight model of SmolLM2's size whose 8 heads
+# and 2 KV heads split (split_model).
+TP = {"cold": 1, "save": 1, "load": 1, "offload": 1, "tierkv": 1}
+TP |= {"save_r": 1, "cold_tp2": 2, "load_tp2": 2}
+SPLIT = ("save_r", "cold_tp2", "load_tp2")
+
+
+def split_model(path: Path) -> Path:
+    """A random Llama of SmolLM2-135M's depth and width (30 layers, hidden 512, 8 heads of 64,
+    2 KV heads, vocab 49152), bf16, seed 0: what vLLM runs at TP=2 in place of SmolLM2."""
+    import torch
+    import transformers
+
+    if (path / "config.json").exists():
+        return path
+    cfg = transformers.LlamaConfig(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+        tie_word_embeddings=True, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval().save_pretrained(path)
+    return path
 
 
 def own_engine_run(job: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +91,7 @@ def own_engine_run(job: dict[str, Any]) -> dict[str, Any]:
             dtype="bfloat16",
             kv_cache_bytes=1 << 30,
             kv_connector=conn,
+            enable_prefix_caching=False,  # every timed hit is a load from the server
             max_num_batched_tokens=8192,
         )
         return llm, conn
@@ -97,7 +122,8 @@ def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
     ktc = None
     if role == "tierkv":
         return own_engine_run(job)
-    tp, role = TP[role], role.removesuffix("_tp2")
+    tp, speed = TP[role], role in ("cold", "save")
+    role = role.removesuffix("_tp2").removesuffix("_r")
     if role in ("save", "load"):
         ktc = KVTransferConfig(
             kv_connector="TierKVConnector",
@@ -153,7 +179,7 @@ def engine_run(role: str, model: str, job: dict[str, Any]) -> dict[str, Any]:
             reset()
             times.append(timed(tokens))
         out["ttft"][n] = statistics.median(times)
-    if role in ("cold", "save") and tp == 1:
+    if speed:  # decode speed: the TP=1 SmolLM2 engines, with and without tierkv
         many = SamplingParams(
             temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, detokenize=False
         )
@@ -204,6 +230,7 @@ def main() -> None:
     decode = [rng.randrange(100, 49000) for _ in range(DECODE_PROMPT)]
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     model = hf_checkpoint(tmp / "smollm2-hf")
+    split = split_model(tmp / "split-random")
     server = ServerProcess(args=["--cpu-bytes", "1GiB"]).start()
     job = {
         "prompts": prompts,
@@ -215,7 +242,7 @@ def main() -> None:
     res: dict[str, dict[str, Any]] = {}
     try:
         for role in tqdm(list(TP), desc="engines", unit="engine"):
-            res[role] = run_role(role, model, job, tmp)
+            res[role] = run_role(role, split if role in SPLIT else model, job, tmp)
     finally:
         server.stop(kill=True)
     rows: list[dict[str, Any]] = []
@@ -223,8 +250,8 @@ def main() -> None:
         "cold": "vLLM cold",
         "load": "vLLM + tierkv (2nd process)",
         "offload": "vLLM + OffloadingConnector (same process)",
-        "cold_tp2": "vLLM TP=2 cold",
-        "load_tp2": "vLLM TP=2 + tierkv (2nd process, KV stored by TP=1)",
+        "cold_tp2": "vLLM TP=2 cold (random 8-head model)",
+        "load_tp2": "vLLM TP=2 + tierkv (2nd process, KV stored by TP=1; random 8-head model)",
         "tierkv": "tierkv's own engine + tierkv (2nd engine)",
     }
     for n in lengths:

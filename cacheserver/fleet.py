@@ -24,6 +24,9 @@ from pathlib import Path
 from tierkv.cacheserver.launch import RedisCluster, RedisProcess, free_port, wait_port
 
 
+ENGINE_BLOCK = 16  # tokens per KV block of tierkv's engine (EngineConfig.block_size)
+
+
 @dataclass(slots=True)
 class FleetConfig:
     """The layout of a fleet; every process on 127.0.0.1."""
@@ -37,6 +40,8 @@ class FleetConfig:
     redis: bool = False  # one Redis behind the server (nodes == 1)
     server_cpu: str = "1GiB"  # each tierkv-server's cpu tier
     replica_cpu: str = "256MiB"  # each tierkv replica's own cpu tier (its connector)
+    replica_kv: str = "256MiB"  # each tierkv replica's KV blocks (its prefix cache)
+    shared: bool = True  # the replicas share KV through tierkv-server (off: no server at all)
     chunk_size: int = 256  # tokens per stored chunk, every replica alike
     dtype: str = "bf16"  # the replicas' weights and KV
     served_name: str = "tiny"  # the model name requests carry
@@ -124,7 +129,7 @@ class Fleet:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._start_redis()
-            for n in range(cfg.nodes):
+            for n in range(cfg.nodes if cfg.shared else 0):
                 self.servers.append(self._server(n).start(cfg.log_dir))
             for s in self.servers:
                 wait_port(s.port, 60)
@@ -174,8 +179,9 @@ class Fleet:
 
     def _replica(self, i: int, core: int | None) -> Proc:
         cfg, port = self.cfg, free_port()
-        server = self.servers[i % len(self.servers)]
-        remote = f"grpc://127.0.0.1:{server.port}"
+        remote = None
+        if self.servers:
+            remote = f"grpc://127.0.0.1:{self.servers[i % len(self.servers)].port}"
         events = f"tcp://127.0.0.1:{free_port()}" if cfg.policy == "kv_aware" else None
         if cfg.engine == "tierkv":
             model = (
@@ -188,12 +194,16 @@ class Fleet:
             )
             cmd = [sys.executable, "-P", "-m", "tierkv.engine.cli", "serve", *model]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype]
-            cmd += ["--served-model-name", cfg.served_name, "--remote", remote]
-            cmd += ["--cpu-cache", cfg.replica_cpu, "--chunk-size", str(cfg.chunk_size)]
+            cmd += ["--served-model-name", cfg.served_name, "--kv-cache-bytes", cfg.replica_kv]
+            if remote:
+                cmd += ["--remote", remote, "--cpu-cache", cfg.replica_cpu]
+                cmd += ["--chunk-size", str(cfg.chunk_size)]
             if events:
                 cmd += ["--kv-events-endpoint", events]
             env = {"OMP_NUM_THREADS": "1"} if core is not None else {}
         else:
+            if remote is None:
+                raise ValueError("vLLM replicas share KV through tierkv-server: shared must be on")
             ktc = {
                 "kv_connector": "TierKVConnector",
                 "kv_connector_module_path": "tierkv.vllm",
@@ -243,7 +253,9 @@ class Fleet:
         for url, endpoint in self.events.items():
             cmd += ["--kv-event-source", f"{url}={endpoint}"]
         if self.events:
-            cmd += ["--kv-event-block-size", str(cfg.chunk_size)]
+            # serve's events name its engine's 16-token blocks; tierkv.vllm's name its chunks
+            size = ENGINE_BLOCK if cfg.engine == "tierkv" else cfg.chunk_size
+            cmd += ["--kv-event-block-size", str(size)]
             cmd += ["--kv-event-model", cfg.served_name]
         return Proc("router", cmd, port)
 
