@@ -83,7 +83,9 @@ def workload(tenants: int, questions: int, sessions: int, rate: float, seed: int
 
 def send(url: str, r: Req) -> None:
     body = {"model": "tiny", "prompt": r.prompt, "max_tokens": NEW, "temperature": 0}
-    body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    # logprobs: one chunk per token, also for tokens whose text is empty (special tokens)
+    body |= {"ignore_eos": True, "stream": True, "logprobs": 1}
+    body["stream_options"] = {"include_usage": True}
     req = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
     )
@@ -94,8 +96,9 @@ def send(url: str, r: Req) -> None:
                 if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if any(c.get("text") for c in chunk.get("choices", [])):
-                    stamps.append(time.perf_counter())
+                for c in chunk.get("choices", []):
+                    n = len((c.get("logprobs") or {}).get("tokens") or [])
+                    stamps += [time.perf_counter()] * n
                 if chunk.get("usage"):
                     r.by_source = dict(chunk["usage"].get("cached_tokens_by_source") or {})
     except Exception as e:  # a failed request is counted, never retried here

@@ -388,10 +388,15 @@ async def run(duration: float, quick: bool) -> tuple[list[dict], list[dict], dic
 
 def main() -> None:
     p = parser("Soak: 8 clients, mixed ops, faults on a schedule, every byte verified")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of the fault phase")
+    p.add_argument("--duration", type=float, default=None, help="seconds of the fault phase")
+    p.add_argument("--fleet", action="store_true", help="the fleet soak (bench/soak_fleet.py)")
     args = p.parse_args()
+    if args.fleet:
+        from bench.soak_fleet import run_fleet_soak
+
+        return run_fleet_soak(30.0 if args.quick else args.duration or 120.0, args.quick)
     logging.getLogger("tierkv.remote").setLevel(logging.ERROR)  # counted in the table instead
-    duration = 16.0 if args.quick else args.duration
+    duration = 16.0 if args.quick else args.duration or 60.0
     phases, faults, s = asyncio.run(run(duration, args.quick))
     print_table(phases)
     print_table(faults)
