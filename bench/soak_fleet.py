@@ -125,7 +125,7 @@ def restart(p: Proc, log_dir: Path, down_s: float, health: bool = True) -> None:
 
 
 def back_to_speed(done: list[float], at: float, end: float, base: float) -> float | None:
-    """Seconds after `at` until a 1 s bin completes at least 80% of `base` answers/s."""
+    """Seconds after `at` (a restart) until a 1 s bin completes at least 80% of `base` answers/s."""
     t = at
     while t < end:
         if sum(1 for x in done if t <= x < t + BIN) >= 0.8 * base * BIN:
@@ -166,8 +166,9 @@ def run_fleet_soak(duration: float, quick: bool) -> None:
         for frac, what, act in schedule:
             time.sleep(max(0.0, soak.t0 + frac * duration - time.monotonic()))
             at = time.monotonic() - soak.t0
-            act()
-            faults.append({"fault": what, "at_s": round(at, 1)})
+            act()  # returns once the process is back (healthy, or its port open)
+            back = time.monotonic() - soak.t0
+            faults.append({"fault": what, "at_s": round(at, 1), "restarted_s": round(back, 1)})
         time.sleep(max(0.0, soak.t0 + duration - time.monotonic()))
     finally:
         soak.stop.set()
@@ -181,7 +182,7 @@ def run_fleet_soak(duration: float, quick: bool) -> None:
     base_rate = statistics.median(before) / BIN if before else 0.0
     rows = []
     for f in faults:
-        back = back_to_speed(times, f["at_s"], end, base_rate)
+        back = back_to_speed(times, f["restarted_s"], end, base_rate)
         rows.append({**f, "back_to_speed_s": back})
     rows.append({"fault": "answers right / wrong", "at_s": None, "back_to_speed_s": None,
                  "right": len(times), "wrong": soak.wrong})  # fmt: skip
@@ -191,11 +192,17 @@ def run_fleet_soak(duration: float, quick: bool) -> None:
     for name, rss in sorted(soak.rss.items()):
         rows.append({"fault": f"peak RSS {name} (MiB)", "at_s": None, "back_to_speed_s": None,
                      "right": round(rss / 2**20, 1), "wrong": None})  # fmt: skip
-    print_table(rows, ["fault", "at_s", "back_to_speed_s", "right", "wrong"])
+    print_table(rows, ["fault", "at_s", "restarted_s", "back_to_speed_s", "right", "wrong"])
     backs = [r["back_to_speed_s"] for r in rows[: len(faults)]]
     goals = [
         goal("wrong answers", soak.wrong, "<=", 0),
-        goal("slowest return to speed after a fault", max((b or 1e9) for b in backs), "<=", 5, "s"),
+        goal(
+            "slowest return to speed after a restart",
+            max(1e9 if b is None else b for b in backs),
+            "<=",
+            5,
+            "s",
+        ),
     ]
 
     def plot(ax: Any) -> None:
