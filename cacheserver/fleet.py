@@ -23,7 +23,6 @@ from pathlib import Path
 
 from tierkv.cacheserver.launch import RedisCluster, RedisProcess, free_port, wait_port
 
-
 ENGINE_BLOCK = 16  # tokens per KV block of tierkv's engine (EngineConfig.block_size)
 
 
