@@ -224,8 +224,12 @@ def fleet_goals(rows: list[dict[str, Any]], rates: list[float]) -> list[dict[str
 
 
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
+    p = parser(__doc__ or "")
+    p.add_argument("--rates", help="arrival rates in requests/s, comma-separated (default 0.5,1)")
+    args = p.parse_args()
     rates = [0.5] if args.quick else [0.5, 1.0]
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",")]
     tenants, questions, sessions = (2, 3, 1) if args.quick else (4, 6, 2)
     model = bench_model("smollm2", 4096).source
     rows: list[dict[str, Any]] = []
