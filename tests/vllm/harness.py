@@ -3,12 +3,14 @@ the connector's Prometheus counters read from an engine's worker."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,3 +256,23 @@ def parts(server: ServerProcess, tokens: list[int], n: int) -> dict[bytes, Path]
             return found
         assert time.monotonic() < deadline, "the server does not hold every part"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def local_core(name: str) -> Iterator[Any]:
+    """A WorkerCore over an 8 MiB cpu tier on a loop thread of its own, closed after use."""
+    from tierkv.connector.config import ConnectorConfig
+    from tierkv.connector.loop import LoopThread
+    from tierkv.connector.worker import WorkerCore
+
+    async def build(cfg: ConnectorConfig) -> Any:
+        return cfg.build_store()
+
+    loop = LoopThread(name)
+    cfg = ConnectorConfig.of({"cpu_bytes": "8MiB"})
+    core = WorkerCore(loop, loop.run(build(cfg)), cfg)
+    try:
+        yield core
+    finally:
+        core.close()
+        loop.close()

@@ -14,8 +14,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from tierkv.connector.config import ConnectorConfig
-from tierkv.connector.loop import LoopThread
+from tests.vllm.harness import local_core
 from tierkv.connector.plan import Chunk, LoadPlan
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import head_key
@@ -116,16 +115,8 @@ def test_gpu_layouts_copy_fp8_bytes(shape: tuple[int, ...]) -> None:
 
 @pytest.fixture
 def core() -> Iterator[WorkerCore]:
-    loop = LoopThread("test-fp8")
-    cfg = ConnectorConfig.of({"cpu_bytes": "8MiB"})
-    core = WorkerCore(loop, loop.run(_store(cfg)), cfg)
-    yield core
-    core.close()
-    loop.close()
-
-
-async def _store(cfg: ConnectorConfig):
-    return cfg.build_store()
+    with local_core("test-fp8") as c:
+        yield c
 
 
 def worker(core: WorkerCore, caches: list[torch.Tensor], cache_dtype: str, scales) -> WorkerSide:

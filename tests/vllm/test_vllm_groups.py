@@ -14,8 +14,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-from tierkv.connector.config import ConnectorConfig
-from tierkv.connector.loop import LoopThread
+from tests.vllm.harness import local_core
 from tierkv.connector.plan import Chunk, LoadPlan
 from tierkv.connector.worker import WorkerCore
 from tierkv.vllm.groups import NULL, Groups, held_range
@@ -74,16 +73,8 @@ def test_what_a_window_keeps() -> None:
 
 @pytest.fixture
 def core() -> Iterator[WorkerCore]:
-    loop = LoopThread("test-groups")
-    cfg = ConnectorConfig.of({"cpu_bytes": "8MiB"})
-    core = WorkerCore(loop, loop.run(_store(cfg)), cfg)
-    yield core
-    core.close()
-    loop.close()
-
-
-async def _store(cfg: ConnectorConfig):
-    return cfg.build_store()
+    with local_core("test-groups") as c:
+        yield c
 
 
 def worker(core: WorkerCore, shared: torch.Tensor) -> WorkerSide:

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.connector.config import ConnectorConfig
-from tierkv.connector.loop import LoopThread
+from tests.vllm.harness import local_core
 from tierkv.connector.plan import Chunk, LoadPlan
 from tierkv.connector.worker import WorkerCore
 from tierkv.storage_backends.keys import head_key
@@ -70,16 +69,8 @@ def kv_first(heads: int) -> list[torch.Tensor]:
 
 @pytest.fixture
 def core() -> Iterator[WorkerCore]:
-    loop = LoopThread("test-ranks")
-    cfg = ConnectorConfig.of({"cpu_bytes": "8MiB"})
-    core = WorkerCore(loop, loop.run(_store(cfg)), cfg)
-    yield core
-    core.close()
-    loop.close()
-
-
-async def _store(cfg: ConnectorConfig):
-    return cfg.build_store()
+    with local_core("test-ranks") as c:
+        yield c
 
 
 def worker(core: WorkerCore, heads: Heads, caches: list[torch.Tensor]) -> WorkerSide:
