@@ -271,10 +271,12 @@ class RemoteTier(BaseTier):
             "stats", lambda: self.stub.Stats(pb.StatsRequest(), **self._opts())
         )
 
-    async def watch(self) -> AsyncIterator[pb.WatchEvent]:
-        """The server's removals of this tier's namespace as they happen (the Watch stream, no
-        deadline): until the caller stops iterating; a broken stream raises AioRpcError."""
-        call = self.stub.Watch(pb.WatchRequest(), metadata=bearer(self.token))
+    async def watch(self, stored: bool = False) -> AsyncIterator[pb.WatchEvent]:
+        """The server's removals of this tier's namespace as they happen (with `stored`, what
+        enters it too; the Watch stream, no deadline): until the caller stops iterating; a
+        broken stream raises AioRpcError."""
+        req = pb.WatchRequest(stored=stored)
+        call = self.stub.Watch(req, metadata=bearer(self.token))
         try:
             async for ev in call:
                 yield ev

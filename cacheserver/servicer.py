@@ -242,10 +242,11 @@ class Servicer(pb_grpc.TierKVServicer):
             )
 
     async def Watch(self, request: pb.WatchRequest, context) -> AsyncIterator[bytes]:
-        """The caller namespace's removals, until the caller ends it (cacheserver.watch)."""
+        """The caller namespace's removals (and stores, if asked), until the caller ends it
+        (cacheserver.watch)."""
         async with self._call("Watch", context) as ns:
             check_known(request)
-            async for m in self.watch.stream(ns):
+            async for m in self.watch.stream(ns, request.stored):
                 yield m
 
 

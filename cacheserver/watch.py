@@ -1,10 +1,12 @@
-"""The Watch RPC's hub: keys leaving the server's store, fanned out per namespace.
+"""The Watch RPC's hub: keys leaving the server's store, and, for a subscriber that asks, keys
+entering it (with their tokens and parent), fanned out per namespace.
 
-Safety contract: a subscriber only ever receives removals of its own namespace (the one its
+Safety contract: a subscriber only ever receives changes of its own namespace (the one its
 token maps to); each subscriber has a bounded queue, and a full queue drops the event and
 counts it for that subscriber (reported in its next message): the store never waits for a
 watcher. A key counts as gone only when no tier holds it any more (a demotion from one tier to
-the next is not a removal).
+the next is not a removal). A key counts as stored when it enters the fastest tier (a put, or
+a promotion of an entry the subscriber may already know: announcing twice is harmless).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.store import TieredStore
 from tierkv.storage_backends.tier import TierChange
 
-BATCH = 512  # removals per WatchEvent at most
+BATCH = 512  # changes per WatchEvent at most
 
 
 @dataclass(slots=True, eq=False)
 class Subscriber:
     queue: asyncio.Queue[TierChange | None]  # None: the server is stopping
+    stored: bool = False  # also told what is stored
     dropped: int = 0  # lost since the last message sent
 
 
@@ -47,7 +50,12 @@ class WatchHub:
 
     def changed(self, c: TierChange) -> None:
         """The store's hook (on its loop): a removal is checked against every tier first."""
-        if c.kind == "removed" and c.ns in self.subs and (c.ns, c.key) not in self.checking:
+        if c.ns not in self.subs:
+            return
+        if c.kind == "stored":
+            if c.header is not None and c.tier == self.store.tiers[0].name:
+                self._send(c, only_stored=True)
+        elif (c.ns, c.key) not in self.checking:
             self.checking.add((c.ns, c.key))
             t = asyncio.get_running_loop().create_task(self._check(c))
             self.tasks.add(t)
@@ -58,9 +66,13 @@ class WatchHub:
             held = (await self.store.locate([c.key], c.ns))[0] is not None
         finally:
             self.checking.discard((c.ns, c.key))
-        if held:
-            return  # still held (a demotion, or another tier keeps a copy)
+        if not held:  # else still held (a demotion, or another tier keeps a copy)
+            self._send(c, only_stored=False)
+
+    def _send(self, c: TierChange, only_stored: bool) -> None:
         for s in self.subs.get(c.ns, ()):
+            if only_stored and not s.stored:
+                continue
             try:
                 s.queue.put_nowait(c)
             except asyncio.QueueFull:
@@ -69,12 +81,12 @@ class WatchHub:
                 if self.metrics is not None:
                     self.metrics.watch_dropped.inc()
 
-    async def stream(self, ns: str) -> AsyncIterator[bytes]:
-        """Serialized WatchEvents of ns until the caller goes away; BadRequest past
-        max_watchers."""
+    async def stream(self, ns: str, stored: bool = False) -> AsyncIterator[bytes]:
+        """Serialized WatchEvents of ns until the caller goes away (with `stored`, what enters
+        the store too); BadRequest past max_watchers."""
         if self.count() >= self.max_watchers:
             raise too_big(f"{self.count()} watchers; max_watchers is {self.max_watchers}")
-        sub = Subscriber(asyncio.Queue(self.queue_size))
+        sub = Subscriber(asyncio.Queue(self.queue_size), stored)
         self.subs.setdefault(ns, set()).add(sub)
         self._gauge()
         try:
@@ -84,13 +96,18 @@ class WatchHub:
                 while len(got) < BATCH and not sub.queue.empty():
                     got.append(sub.queue.get_nowait())
                 stop = None in got
-                removed = [
-                    pb.Removed(key=c.key, reason=c.reason, tier=c.tier)
-                    for c in got
-                    if c is not None
-                ]
-                if removed or sub.dropped:
-                    msg = pb.WatchEvent(removed=removed, dropped=sub.dropped)
+                msg = pb.WatchEvent(dropped=sub.dropped)
+                for c in got:
+                    if c is None:
+                        continue
+                    if c.kind == "removed":
+                        msg.removed.append(pb.Removed(key=c.key, reason=c.reason, tier=c.tier))
+                    elif c.header is not None:
+                        h = c.header
+                        msg.stored.append(
+                            pb.Stored(key=c.key, parent=h.parent, tokens=h.tokens.tolist())
+                        )
+                if msg.removed or msg.stored or sub.dropped:
                     sub.dropped = 0  # before the yield: drops while it waits go in the next
                     yield msg.SerializeToString()
         finally:

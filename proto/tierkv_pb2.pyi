@@ -154,8 +154,20 @@ class DataPlaneResponse(_message.Message):
     def __init__(self, unix_socket: _Optional[str] = ..., region_bytes: _Optional[int] = ..., tcp_port: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    def __init__(self, stored: _Optional[bool] = ...) -> None: ...
+
+class Stored(_message.Message):
+    __slots__ = ("key", "parent", "tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent: bytes
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Removed(_message.Message):
     __slots__ = ("key", "reason", "tier")
@@ -168,9 +180,11 @@ class Removed(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., reason: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("removed", "dropped")
+    __slots__ = ("removed", "dropped", "stored")
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
     removed: _containers.RepeatedCompositeFieldContainer[Removed]
     dropped: int
-    def __init__(self, removed: _Optional[_Iterable[_Union[Removed, _Mapping]]] = ..., dropped: _Optional[int] = ...) -> None: ...
+    stored: _containers.RepeatedCompositeFieldContainer[Stored]
+    def __init__(self, removed: _Optional[_Iterable[_Union[Removed, _Mapping]]] = ..., dropped: _Optional[int] = ..., stored: _Optional[_Iterable[_Union[Stored, _Mapping]]] = ...) -> None: ...

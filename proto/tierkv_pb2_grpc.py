@@ -129,7 +129,7 @@ class TierKVServicer:
 
     def Watch(self, request, context):
         """Server stream, open until the caller ends it: the caller namespace's keys as they leave
-        the server (every tier), batched. A subscriber that falls behind loses events, counted in
+        the server (every tier) and, when asked, as they enter it, batched. A subscriber that falls behind loses events, counted in
         `dropped`; the server never waits for it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

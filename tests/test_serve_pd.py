@@ -22,6 +22,7 @@ import zmq
 from tests.serve_helpers import tiny_checkpoint, words
 from tierkv.cacheserver.launch import ServeProcess, ServerProcess, free_port, wait_port
 from tierkv.engine import LLM, SamplingParams
+from tierkv.engine.serve.cache_events import chunk_blocks
 from tierkv.engine.serve.kv_events import KVEventBatch
 
 PROMPTS = [words([40 + (i * 7 + k) % 200 for i in range(60)]) for k in range(4)]
@@ -93,6 +94,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
             "router": f"http://127.0.0.1:{port}",
             "events": events,
             "replay": replay,
+            "server": server.target,
         }
     finally:
         if router is not None:
@@ -130,6 +132,22 @@ def test_pd_through_the_router(fleet: dict[str, Any]) -> None:
     assert metric(fleet["p"], "tierkv_serve_pd_prefills") >= 1
     assert metric(fleet["d"], "tierkv_serve_pd_decodes") == before + 1
     assert metric(fleet["d"], "tierkv_serve_pd_refused") == 0
+
+
+def test_pd_streams_through_the_router(fleet: dict[str, Any]) -> None:
+    """A streamed request: the router's prefill is not streamed, the decode streams its tokens
+    (the aggregated run's) after loading the prompt from the server."""
+    import openai
+
+    before = metric(fleet["d"], "tierkv_serve_pd_decodes")
+    client = openai.OpenAI(base_url=fleet["router"] + "/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPTS[2], max_tokens=MAX, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    parts = [c.choices[0].text for c in stream if c.choices]
+    assert len(parts) >= 2 and "".join(parts) == cold(fleet["ckpt"], PROMPTS[2])
+    assert metric(fleet["d"], "tierkv_serve_pd_decodes") == before + 1
 
 
 def test_prefill_parameters(fleet: dict[str, Any]) -> None:
@@ -189,9 +207,37 @@ def test_foreign_params_load_nothing(fleet: dict[str, Any]) -> None:
     assert metric(fleet["d"], "tierkv_serve_pd_refused") == refused + 1
 
 
+def put_and_delete(target: str) -> bytes:
+    """Another client of namespace a stores a one-block chunk on the server, then deletes it."""
+    import asyncio
+
+    import torch
+
+    from tierkv.cacheserver.client import RemoteTier
+    from tierkv.storage_backends.segment import KVSegment
+
+    key = b"shared-by-other1"
+    seg = KVSegment.from_tensor(
+        torch.zeros(2, 2, 16, 1, 8), key=key, tokens=list(range(1000, 1016)), fingerprint=b"t"
+    )
+
+    async def go() -> None:
+        t = RemoteTier(target=target, token="token-aaa")
+        try:
+            assert await t.put(key, seg)
+            await asyncio.sleep(0.5)
+            assert await t.delete(key)
+        finally:
+            await t.close()
+
+    asyncio.run(go())
+    return key
+
+
 def test_events_decoded_by_a_subscriber(fleet: dict[str, Any]) -> None:
     """P's events, replayed from seq 0 and read live: its prefix-cache blocks (GPU), its cpu
-    tier and the server (ownership SERVER), and removals from the prefix cache as it evicts."""
+    tier and the server (ownership SERVER), and removals from the prefix cache as it evicts;
+    what another client stores on the server and deletes there reaches P's events too."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{fleet['events']}")
@@ -204,6 +250,7 @@ def test_events_decoded_by_a_subscriber(fleet: dict[str, Any]) -> None:
     topic, _, payload = sub.recv_multipart()
     assert topic == b"kv" and decode(payload).events
     sub.close(linger=0)
+    other = put_and_delete(fleet["server"])
     time.sleep(0.5)  # the last batches out
     replay = ctx.socket(zmq.DEALER)  # vLLM's replay protocol: a ROUTER answers many frames
     replay.connect(f"tcp://127.0.0.1:{fleet['replay']}")
@@ -225,3 +272,8 @@ def test_events_decoded_by_a_subscriber(fleet: dict[str, Any]) -> None:
     assert ("BlockRemoved", "GPU", None) in stored
     gpu = [e for e in seen if type(e).__name__ == "BlockStored" and e.medium == "GPU"]
     assert all(len(e.token_ids) == 16 * len(e.block_hashes) for e in gpu)
+    on_server = [e for e in seen if e.ownership == "SERVER"]
+    block = chunk_blocks(other, 1)[0]
+    told = [e for e in on_server if block in e.block_hashes]
+    assert [type(e).__name__ for e in told] == ["BlockStored", "BlockRemoved"], told
+    assert told[0].token_ids == list(range(1000, 1016)) and told[0].locality == "REMOTE"

@@ -18,13 +18,14 @@ from tierkv.proto import tierkv_pb2 as pb
 TOKENS = "tok-a-123456=team-a,tok-b-123456=team-b"
 
 
-def segment(seed: int) -> tuple[bytes, object]:
+def segment(seed: int, parent: bytes = bytes(16), first: int = 0) -> tuple[bytes, object]:
     from tierkv.storage_backends.segment import KVSegment
 
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(4, 2, 256, 2, 16, generator=g).to(torch.bfloat16)  # 128 KiB
     key = seed.to_bytes(16, "little")
-    return key, KVSegment.from_tensor(kv, key=key, tokens=list(range(256)), fingerprint=b"t")
+    tokens = list(range(first, first + 256))
+    return key, KVSegment.from_tensor(kv, key=key, parent=parent, tokens=tokens, fingerprint=b"t")
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,42 @@ async def test_watch_sees_its_namespace_leave_the_server(server: ServerProcess) 
         await b.close()
 
 
+async def test_a_watcher_that_asks_is_told_what_is_stored(server: ServerProcess) -> None:
+    """With `stored`, a watcher gets its namespace's puts with their tokens and parent, once
+    each (a demotion to disk is no new store); a watcher without it and another namespace's
+    get none."""
+    a = RemoteTier(target=server.target, token="tok-a-123456")
+    b = RemoteTier(target=server.target, token="tok-b-123456")
+    told: list[pb.WatchEvent] = []
+    plain: list[pb.WatchEvent] = []
+
+    async def read(tier: RemoteTier, stored: bool, into: list[pb.WatchEvent]) -> None:
+        async for ev in tier.watch(stored=stored):
+            into.append(ev)
+
+    tasks = [asyncio.create_task(read(a, True, told)), asyncio.create_task(read(b, False, plain))]
+    try:
+        await asyncio.sleep(0.3)
+        k1, s1 = segment(201)
+        k2, s2 = segment(202, parent=k1, first=256)
+        assert await a.put(k1, s1) and await a.put(k2, s2)
+        kb, sb = segment(203)
+        assert await b.put(kb, sb)
+        await until(lambda: sum(len(e.stored) for e in told) >= 2)
+        await asyncio.sleep(0.5)
+        stored = [st for e in told for st in e.stored]
+        assert [st.key for st in stored] == [k1, k2]
+        assert stored[0].parent == bytes(16) and list(stored[0].tokens) == list(range(256))
+        assert stored[1].parent == k1 and list(stored[1].tokens) == list(range(256, 512))
+        assert all(not e.stored for e in plain)  # b did not ask, and a's are not b's
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await a.close()
+        await b.close()
+
+
 async def test_watch_refuses_without_a_token(server: ServerProcess) -> None:
     t = RemoteTier(target=server.target)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -164,7 +201,7 @@ def test_watch_refuses_a_malformed_request(server: ServerProcess) -> None:
             request_serializer=lambda b: b,
             response_deserializer=pb.WatchEvent.FromString,
         )
-        bad = ((b"\x08\x01", "unknown fields"), (b"\xff\xff\xff", "not a valid WatchRequest"))
+        bad = ((b"\x10\x01", "unknown fields"), (b"\xff\xff\xff", "not a valid WatchRequest"))
         for body, words in bad:
             with pytest.raises(grpc.RpcError) as err:
                 list(call(body, metadata=auth, timeout=5))

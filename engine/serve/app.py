@@ -13,10 +13,9 @@ from typing import Any
 from aiohttp import web
 
 from tierkv.engine.llm import LLM
-from tierkv.engine.serve.cache_events import start_events
+from tierkv.engine.serve.cache_events import CacheEvents, start_events
 from tierkv.engine.serve.config import ServeConfig
 from tierkv.engine.serve.engine_loop import EngineLoop, Job, Overloaded, Update
-from tierkv.engine.serve.kv_events import Publisher
 from tierkv.engine.serve.metrics import ServeMetrics
 from tierkv.engine.serve.output import Choice, Shaper, usage
 from tierkv.engine.serve.pd import FIELD, Handoff, Transfer, parse_transfer
@@ -37,7 +36,7 @@ class Server:
         self.engine = EngineLoop(llm, config.max_pending, self.metrics, config.idle_wait_s)
         self.handoff = Handoff(connector, config.model_name, config.pd_flush_timeout_s)
         self.connector = connector
-        self.events: Publisher | None = None
+        self.events: CacheEvents | None = None
 
     def app(self) -> web.Application:
         app = web.Application(

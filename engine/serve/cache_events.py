@@ -11,19 +11,27 @@ replica's own tiers are `GPU`, `CPU` and `DISK` with locality LOCAL and no owner
 host and disk credits); the shared tier is medium None, locality REMOTE and ownership `SERVER`
 (a tierkv-server) or `REDIS` (external credit).
 
+With a tierkv-server behind the connector, the shared tier's events come from the server's
+Watch stream (tierkv.connector.server_watch), not from this replica's own puts: every replica
+sharing the server announces what any of them stored there (so a router credits each as able
+to load it) and what the server evicted or deleted. What the server held before the replica
+subscribed, or stored while its stream was down, is not announced.
+
 A prompt under a cache_salt is a tenant's own: its prefix-cache blocks are not published (the
 tree keys them by a salted first token, not the prompt's).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import struct
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from tierkv.connector.placement import placement
+from tierkv.connector.placement import SHARED, placement
+from tierkv.connector.server_watch import follow
 from tierkv.engine.serve.kv_events import BlockRemoved, BlockStored, KVCacheEvent, Publisher
 from tierkv.storage_backends.tier import TierChange
 
@@ -49,7 +57,8 @@ def chunk_blocks(key: bytes, n: int) -> list[int]:
 
 
 class CacheEvents:
-    """Hooks that turn the prefix cache's and the tiers' changes into events for publisher."""
+    """Hooks that turn the prefix cache's, the tiers' and the server's changes into events for
+    publisher."""
 
     def __init__(self, publisher: Publisher, block_size: int, chunk_size: int, ns: str) -> None:
         self.publisher, self.block_size, self.chunk_size, self.ns = (
@@ -58,6 +67,12 @@ class CacheEvents:
             chunk_size,
             ns,
         )
+        self.watcher: concurrent.futures.Future | None = None  # following the server, if any
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+        self.publisher.close()
 
     def prefix_cache(self, kind: str, path: tuple[int, ...], n: int) -> None:
         """RadixTree.on_change: the last n blocks of path came or went (engine thread)."""
@@ -76,28 +91,41 @@ class CacheEvents:
 
     def tiers(self, c: TierChange) -> None:
         """TieredStore.watch: a chunk came into a tier or left it (the connector's loop)."""
-        if c.ns != self.ns:
+        if c.ns != self.ns or (self.watcher is not None and c.tier in SHARED):
             return
-        where = placement(c.tier)
-        bs, h = self.block_size, c.header
-        ev: KVCacheEvent
-        if c.kind == "stored" and h is not None:
-            n = len(h.tokens) // bs
-            if not n:
-                return
-            parent = None
-            if bytes(h.parent) != NO_PARENT:
-                parent = chunk_blocks(bytes(h.parent), self.chunk_size // bs)[-1]
-            tokens = [int(t) for t in h.tokens[: n * bs]]
-            blocks = chunk_blocks(c.key, n)
-            ev = BlockStored(blocks, parent, tokens, bs, None, lora_name=None, **where)
-        else:  # the block count of a chunk that left is not known: name every block it can have
-            ev = BlockRemoved(chunk_blocks(c.key, self.chunk_size // bs), **where)
-        self.publisher.add([ev])
+        if c.kind == "stored" and c.header is not None:
+            self._stored(c.tier, c.key, bytes(c.header.parent), c.header.tokens)
+        else:
+            self._removed(c.tier, c.key)
+
+    def server(self, ev: Any) -> None:
+        """A WatchEvent of the server behind the shared tier (the connector's loop)."""
+        for st in ev.stored:
+            self._stored("remote", st.key, st.parent, st.tokens)
+        for r in ev.removed:
+            self._removed("remote", r.key)
+
+    def _stored(self, tier: str, key: bytes, parent: bytes, tokens: Any) -> None:
+        bs = self.block_size
+        n = len(tokens) // bs
+        if not n:
+            return
+        up = chunk_blocks(parent, self.chunk_size // bs)[-1] if parent != NO_PARENT else None
+        ids = [int(t) for t in tokens[: n * bs]]
+        blocks = chunk_blocks(key, n)
+        self.publisher.add(
+            [BlockStored(blocks, up, ids, bs, None, lora_name=None, **placement(tier))]
+        )
+
+    def _removed(self, tier: str, key: bytes) -> None:
+        # the block count of a chunk that left is not known: name every block it can have
+        blocks = chunk_blocks(key, self.chunk_size // self.block_size)
+        self.publisher.add([BlockRemoved(blocks, **placement(tier))])
 
 
-def start_events(cfg: Any, llm: Any, connector: Any) -> Publisher | None:
-    """A publisher fed by the engine's prefix cache and the connector's tiers, if asked for."""
+def start_events(cfg: Any, llm: Any, connector: Any) -> CacheEvents | None:
+    """A publisher fed by the engine's prefix cache, the connector's tiers and the server
+    behind them, if asked for."""
     if cfg.kv_events_endpoint is None:
         return None
     pub = Publisher(
@@ -112,5 +140,9 @@ def start_events(cfg: Any, llm: Any, connector: Any) -> Publisher | None:
     if llm.blocks.tree is not None:
         llm.blocks.tree.on_change = events.prefix_cache
     if connector is not None:
+        shared = connector.store.tiers[-1]
+        if hasattr(shared, "watch"):  # a tierkv-server
+            job = follow(shared, events.server, stored=True, who="tierkv serve")
+            events.watcher = connector.loop.submit(job)
         connector.store.watch(events.tiers)
-    return pub
+    return events
