@@ -2,9 +2,9 @@
 names device blocks) and the connector's tiers.
 
 Every event names engine blocks (`block_size` tokens, the size routers split token ids by): a
-prefix-cache block under a chained xxh3_64 of its tokens, a stored chunk as its full blocks under
-xxh3_64(chunk key || block index), chained to the previous chunk's last block. Hashes are
-unsigned 64-bit ints, as vLLM writes its own by default; routers match prompts by the token ids.
+prefix-cache block under a chained xxh3_64 of its tokens, a stored chunk as its full blocks
+(tierkv.connector.event_blocks, shared with tierkv.vllm). Hashes are unsigned 64-bit ints, as
+vLLM writes its own by default; routers match prompts by the token ids.
 
 Media as vllm-router's kv_aware admits and credits them (tierkv.connector.placement): the
 replica's own tiers are `GPU`, `CPU` and `DISK` with locality LOCAL and no ownership (device,
@@ -17,18 +17,17 @@ tree keys them by a salted first token, not the prompt's).
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from tierkv.connector.event_blocks import EventBlocks
 from tierkv.connector.placement import placement
 from tierkv.engine.serve.kv_events import BlockRemoved, BlockStored, KVCacheEvent, Publisher
 from tierkv.storage_backends.tier import TierChange
 
 PREFIX_SEED = b"tierkv-prefix-cache"
-NO_PARENT = bytes(16)
 
 
 def chain(tokens: tuple[int, ...], block_size: int) -> list[int]:
@@ -43,21 +42,12 @@ def chain(tokens: tuple[int, ...], block_size: int) -> list[int]:
     return out
 
 
-def chunk_blocks(key: bytes, n: int) -> list[int]:
-    """The hashes of a stored chunk's first n blocks."""
-    return [xxhash.xxh3_64_intdigest(key + struct.pack("<I", j)) for j in range(n)]
-
-
 class CacheEvents:
     """Hooks that turn the prefix cache's and the tiers' changes into events for publisher."""
 
     def __init__(self, publisher: Publisher, block_size: int, chunk_size: int, ns: str) -> None:
-        self.publisher, self.block_size, self.chunk_size, self.ns = (
-            publisher,
-            block_size,
-            chunk_size,
-            ns,
-        )
+        self.publisher, self.block_size, self.ns = publisher, block_size, ns
+        self.blocks = EventBlocks(block_size, chunk_size)
 
     def prefix_cache(self, kind: str, path: tuple[int, ...], n: int) -> None:
         """RadixTree.on_change: the last n blocks of path came or went (engine thread)."""
@@ -79,20 +69,16 @@ class CacheEvents:
         if c.ns != self.ns:
             return
         where = placement(c.tier)
-        bs, h = self.block_size, c.header
         ev: KVCacheEvent
-        if c.kind == "stored" and h is not None:
-            n = len(h.tokens) // bs
-            if not n:
+        if c.kind == "stored" and c.header is not None:
+            h = c.header
+            b = self.blocks.stored(c.key, bytes(h.parent), h.tokens)
+            if b is None:
                 return
-            parent = None
-            if bytes(h.parent) != NO_PARENT:
-                parent = chunk_blocks(bytes(h.parent), self.chunk_size // bs)[-1]
-            tokens = [int(t) for t in h.tokens[: n * bs]]
-            blocks = chunk_blocks(c.key, n)
-            ev = BlockStored(blocks, parent, tokens, bs, None, lora_name=None, **where)
-        else:  # the block count of a chunk that left is not known: name every block it can have
-            ev = BlockRemoved(chunk_blocks(c.key, self.chunk_size // bs), **where)
+            bs = self.block_size
+            ev = BlockStored(b.hashes, b.parent, b.tokens, bs, None, lora_name=None, **where)
+        else:
+            ev = BlockRemoved(self.blocks.removed(c.key), **where)
         self.publisher.add([ev])
 
 
