@@ -10,9 +10,9 @@ names every block a chunk can have. Shared by tierkv's engine server and tierkv.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 NO_PARENT = bytes(16)  # a segment's parent key of a prompt's first chunk
@@ -47,7 +47,7 @@ class EventBlocks:
                 f"engine's block size ({self.block_size})"
             )
 
-    def stored(self, key: bytes, parent: bytes, tokens: Sequence[int]) -> StoredBlocks | None:
+    def stored(self, key: bytes, parent: bytes, tokens: np.ndarray) -> StoredBlocks | None:
         """The blocks of a chunk stored under key with these tokens (None: not one full)."""
         n = len(tokens) // self.block_size
         if not n:
