@@ -1,13 +1,14 @@
 """A fleet under load, in the manner of llm-d's prefix benchmark scaled to 2 cores: T tenants,
 each with a long shared system prompt and short questions, plus multi-turn sessions, Poisson
 arrivals at each rate, through vllm-router in front of 2 `tierkv-engine serve` replicas (one
-core each, SmolLM2 bf16, KV blocks for about two tenants' prompts). Systems side by side in
+core each, SmolLM2 bf16, KV blocks for under three tenants' prompts, so the tenants outgrow a
+replica's own prefix cache whatever the routing). Systems side by side in
 one run: round_robin, cache_aware and kv_aware (GPU events only) without tierkv-server;
 round_robin, cache_aware, consistent_hash and kv_aware (tier events) with it; and a 1P1D pair
 with it. Per system and rate: TTFT p50/p90/p99, TPOT p50/p99, throughput, goodput, the share
 of prompt tokens by where they came from, failures.
 
-    python -m bench.fleet [--quick]
+    python -m bench.fleet [--quick] [--rates 1,2,3] [--tenants 8 --questions 6 --sessions 4]
 """
 
 from __future__ import annotations
@@ -225,12 +226,17 @@ def fleet_goals(rows: list[dict[str, Any]], rates: list[float]) -> list[dict[str
 
 def main() -> None:
     p = parser(__doc__ or "")
-    p.add_argument("--rates", help="arrival rates in requests/s, comma-separated (default 0.5,1)")
+    p.add_argument("--rates", help="arrival rates in requests/s, comma-separated (default 1,2,3)")
+    p.add_argument("--tenants", type=int, default=8, help="tenants, each a system prompt (8)")
+    p.add_argument("--questions", type=int, default=6, help="questions per tenant (6)")
+    p.add_argument("--sessions", type=int, default=4, help="3-turn sessions (4)")
     args = p.parse_args()
-    rates = [0.5] if args.quick else [0.5, 1.0]
+    rates = [1.0] if args.quick else [1.0, 2.0, 3.0]
     if args.rates:
         rates = [float(r) for r in args.rates.split(",")]
-    tenants, questions, sessions = (2, 3, 1) if args.quick else (4, 6, 2)
+    tenants, questions, sessions = args.tenants, args.questions, args.sessions
+    if args.quick:
+        tenants, questions, sessions = 2, 3, 1
     model = bench_model("smollm2", 4096).source
     rows: list[dict[str, Any]] = []
     logs = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
@@ -264,7 +270,7 @@ def main() -> None:
 
     config = {
         "model": "smollm2 (SmolLM2-135M-Instruct), bf16, tierkv-engine serve",
-        "replicas": "2, one core each; KV blocks 64 MiB (about two tenants' prompts) each",
+        "replicas": "2, one core each; KV blocks 64 MiB each (2.7 tenants' 1024-token prompts)",
         "router": "vllm-router 0.1.17",
         "workload": {
             "tenants": tenants,

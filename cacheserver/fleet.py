@@ -24,6 +24,7 @@ from pathlib import Path
 from tierkv.cacheserver.launch import RedisCluster, RedisProcess, free_port, wait_port
 
 ENGINE_BLOCK = 16  # tokens per KV block of tierkv's engine (EngineConfig.block_size)
+VLLM_BLOCK = 128  # tokens per KV block of vLLM replicas (vLLM's CPU default, set explicitly)
 
 
 @dataclass(slots=True)
@@ -217,6 +218,7 @@ class Fleet:
             cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
             cmd += ["--served-model-name", cfg.served_name, "--enforce-eager"]
+            cmd += ["--block-size", str(VLLM_BLOCK)]
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
             if events:
                 kec = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
@@ -252,8 +254,8 @@ class Fleet:
         for url, endpoint in self.events.items():
             cmd += ["--kv-event-source", f"{url}={endpoint}"]
         if self.events:
-            # serve's events name its engine's 16-token blocks; tierkv.vllm's name its chunks
-            size = ENGINE_BLOCK if cfg.engine == "tierkv" else cfg.chunk_size
+            # both engines tell their tiers' chunks as their own KV blocks
+            size = ENGINE_BLOCK if cfg.engine == "tierkv" else VLLM_BLOCK
             cmd += ["--kv-event-block-size", str(size)]
             cmd += ["--kv-event-model", cfg.served_name]
         return Proc("router", cmd, port)

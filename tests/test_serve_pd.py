@@ -21,8 +21,8 @@ import zmq
 
 from tests.serve_helpers import tiny_checkpoint, words
 from tierkv.cacheserver.launch import ServeProcess, ServerProcess, free_port, wait_port
+from tierkv.connector.event_blocks import chunk_blocks
 from tierkv.engine import LLM, SamplingParams
-from tierkv.engine.serve.cache_events import chunk_blocks
 from tierkv.engine.serve.kv_events import KVEventBatch
 
 PROMPTS = [words([40 + (i * 7 + k) % 200 for i in range(60)]) for k in range(4)]

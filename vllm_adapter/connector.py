@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from tierkv.connector.event_blocks import EventBlocks
 from tierkv.connector.loop import LoopThread
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
@@ -87,6 +88,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         kv_events = getattr(vllm_config, "kv_events_config", None)
         publish = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         self.events = SchedulerEvents(publish)  # the scheduler's
+        # chunks told as blocks of vLLM's one block size (its groups share it, Groups.of)
+        blocks = EventBlocks(self.groups.block_size, cfg.chunk_size) if publish else None
         self.outbox = Outbox()  # the worker's: its tiers' changes until the step's output
         self.watcher: Any = None
         fp = self.salt.fingerprint()
@@ -101,13 +104,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            if publish and hasattr(store.tiers[-1], "watch"):  # a tierkv-server: its removals
+            if blocks and hasattr(store.tiers[-1], "watch"):  # a tierkv-server: its removals
                 tier, names = store.tiers[-1], self.sched.names
-                self.watcher = self.loop.submit(follow_server(tier, self.events.box, names))
+                follow = follow_server(tier, self.events.box, names, blocks)
+                self.watcher = self.loop.submit(follow)
         else:
             store = self.loop.run(_build(cfg))
             names = PartNames()
-            hook = recorder(self.outbox, cfg.namespace, cfg.chunk_size, publish, names)
+            hook = recorder(self.outbox, cfg.namespace, blocks, names)
             self.worker = WorkerSide.start(vllm_config, self.loop, store, cfg, fp, hook, names)
 
     # -- worker side -----------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """tierkv's tiers in vLLM's KV event channel: each entry stored in or removed from a tier is a
 `BlockStored` / `BlockRemoved` beside vLLM's own GPU blocks.
 
-One event names one tierkv chunk: `block_hashes` is its key (written as vLLM writes its own
-hashes: the low 64 bits as an int by default, see block_hash), `parent_block_hash` the previous
-chunk's (None for a prompt's first chunk), `token_ids` its tokens and `block_size` the chunk
-size (a prompt's last, partial chunk carries fewer tokens), so a router can rebuild the chain
-from token ids. Where the chunk is (tierkv.connector.placement, as vllm-router's kv_aware reads
-it): the worker's own tiers as medium CPU, DISK or GPU with locality LOCAL; the shared tier as
-no medium, locality REMOTE and ownership SERVER (a tierkv-server) or REDIS.
+Events name vLLM blocks, as vLLM's own do, so a router matching one block size (vllm-router's
+`--kv-event-block-size`) reads both: a chunk is told as its full blocks of vLLM's block size
+(tierkv.connector.event_blocks, shared with tierkv's engine server), each under xxh3_64(chunk
+key || block index), the first one's parent the previous chunk's last block (None for a
+prompt's first chunk), `token_ids` their tokens; a prompt's last, partial chunk as the blocks it
+fills. A removal names every block a chunk can have. Hashes are written as vLLM writes its own
+(an int by default, see block_hash). The block size is the one of vLLM's KV cache groups
+(tierkv.vllm stores only models whose groups share one, tierkv.vllm.groups): every event names
+a chunk of all groups' layers, so no group of its own. Where the chunk is
+(tierkv.connector.placement, as vllm-router's kv_aware reads it): the worker's own tiers as
+medium CPU, DISK or GPU with locality LOCAL; the shared tier as no medium, locality REMOTE and
+ownership SERVER (a tierkv-server) or REDIS.
 
 Where they come from: the worker's store reports its tiers' changes (tierkv.storage_backends'
 TierChange), which ride the step's output to the scheduler (`TierKVEvents`); keys leaving a
@@ -34,22 +39,25 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tierkv.connector.event_blocks import EventBlocks
 from tierkv.connector.placement import SHARED, placement
 from tierkv.storage_backends.tier import TierChange
 from tierkv.vllm.ranks import PartNames
 
 log = logging.getLogger("tierkv.vllm")
 REMOTE_TIERS = tuple(SHARED)  # the shared tier's names (the rest are the worker's own)
-NO_PARENT = bytes(16)
 LOCAL_ORDER = ("gpu", "cpu", "disk")  # the worker's own tiers, fastest first
 
 
-def block_hash(key: bytes) -> bytes | int:
-    """A chunk key as vLLM publishes its own block hashes: by default (its
-    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) the low 64 bits as an int, else the 16 bytes."""
-    if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
-        return int.from_bytes(key, "big") & ((1 << 64) - 1)
-    return key
+def block_hash(h: int) -> bytes | int:
+    """A block's 64-bit hash as vLLM publishes its own block hashes: by default (its
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) the int, else its 8 bytes, big-endian."""
+    return h if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else h.to_bytes(8, "big")
+
+
+def removed(blocks: EventBlocks, chunk: bytes, tier: str) -> BlockRemoved:
+    """The removal of every block chunk can have from tier."""
+    return BlockRemoved([block_hash(b) for b in blocks.removed(chunk)], **placement(tier))
 
 
 def hit_sources(split: dict[str, int]) -> dict[CacheHitSource, int]:
@@ -62,15 +70,19 @@ def hit_sources(split: dict[str, int]) -> dict[CacheHitSource, int]:
     return out
 
 
-def to_event(c: TierChange, chunk: bytes, chunk_size: int) -> KVCacheEvent:
-    """The event of c, whose entry is chunk's head-0 part."""
-    at = placement(c.tier)
+def to_event(c: TierChange, chunk: bytes, blocks: EventBlocks) -> KVCacheEvent | None:
+    """The event of c, whose entry is chunk's head-0 part (None: a stored chunk with no full
+    block)."""
     if c.kind == "removed" or c.header is None:
-        return BlockRemoved([block_hash(chunk)], **at)
+        return removed(blocks, chunk, c.tier)
     h = c.header
-    parent = None if h.parent == NO_PARENT else block_hash(h.parent)
-    tokens = [int(t) for t in h.tokens]
-    return BlockStored([block_hash(chunk)], parent, tokens, chunk_size, None, lora_name=None, **at)
+    b = blocks.stored(chunk, bytes(h.parent), h.tokens)
+    if b is None:
+        return None
+    parent = None if b.parent is None else block_hash(b.parent)
+    hashes = [block_hash(x) for x in b.hashes]
+    at = placement(c.tier)
+    return BlockStored(hashes, parent, b.tokens, blocks.block_size, None, lora_name=None, **at)
 
 
 @dataclass(slots=True, eq=False)
@@ -101,18 +113,19 @@ class Outbox:
 
 
 def recorder(
-    box: Outbox, ns: str, chunk_size: int, publish: bool, names: PartNames
+    box: Outbox, ns: str, blocks: EventBlocks | None, names: PartNames
 ) -> Callable[[TierChange], None]:
     """A TieredStore.watch hook that records ns's changes of chunks (their head-0 parts, see
-    PartNames) in box as (tier, kind, chunk key, event); without publish, only the worker's
-    own tiers and no event (the scheduler's hit attribution needs no more)."""
+    PartNames) in box as (tier, kind, chunk key, event); without blocks (vLLM's KV events
+    off), only the worker's own tiers and no event (the scheduler's hit attribution needs no
+    more)."""
 
     def hook(c: TierChange) -> None:
-        if c.ns != ns or not (publish or c.tier not in REMOTE_TIERS):
+        if c.ns != ns or not (blocks or c.tier not in REMOTE_TIERS):
             return
         chunk = names.chunk(c.key)
         if chunk is not None:
-            event = to_event(c, chunk, chunk_size) if publish else None
+            event = to_event(c, chunk, blocks) if blocks else None
             box.add([(c.tier, c.kind, chunk, event)])
 
     return hook
@@ -145,22 +158,17 @@ class TierKVEvents(KVConnectorKVEvents):
         self.items = []
 
 
-async def follow_server(tier: object, box: Outbox, names: PartNames) -> None:
+async def follow_server(tier: object, box: Outbox, names: PartNames, blocks: EventBlocks) -> None:
     """Read the tierkv-server's Watch stream of this namespace into box as BlockRemoved(SERVER)
-    events of the chunks whose head-0 part left, reconnecting with backoff (at most 10 s),
-    until cancelled."""
+    events of the chunks whose head-0 part left (every block each can have), reconnecting with
+    backoff (at most 10 s), until cancelled."""
     pause = 0.5
     while True:
         try:
             async for ev in tier.watch():  # type: ignore[attr-defined]
                 pause = 0.5
                 chunks = [c for c in map(names.chunk, (r.key for r in ev.removed)) if c]
-                items = [
-                    ("remote", "removed", c, BlockRemoved(
-                        [block_hash(c)], **placement("remote")))
-                    for c in chunks
-                ]  # fmt: skip
-                box.add(items)
+                box.add([("remote", "removed", c, removed(blocks, c, "remote")) for c in chunks])
                 box.lost(ev.dropped)
         except asyncio.CancelledError:
             raise

@@ -2,9 +2,9 @@
 names device blocks) and the connector's tiers.
 
 Every event names engine blocks (`block_size` tokens, the size routers split token ids by): a
-prefix-cache block under a chained xxh3_64 of its tokens, a stored chunk as its full blocks under
-xxh3_64(chunk key || block index), chained to the previous chunk's last block. Hashes are
-unsigned 64-bit ints, as vLLM writes its own by default; routers match prompts by the token ids.
+prefix-cache block under a chained xxh3_64 of its tokens, a stored chunk as its full blocks
+(tierkv.connector.event_blocks, shared with tierkv.vllm). Hashes are unsigned 64-bit ints, as
+vLLM writes its own by default; routers match prompts by the token ids.
 
 Media as vllm-router's kv_aware admits and credits them (tierkv.connector.placement): the
 replica's own tiers are `GPU`, `CPU` and `DISK` with locality LOCAL and no ownership (device,
@@ -24,19 +24,18 @@ tree keys them by a salted first token, not the prompt's).
 from __future__ import annotations
 
 import concurrent.futures
-import struct
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from tierkv.connector.event_blocks import EventBlocks
 from tierkv.connector.placement import SHARED, placement
 from tierkv.connector.server_watch import follow
 from tierkv.engine.serve.kv_events import BlockRemoved, BlockStored, KVCacheEvent, Publisher
 from tierkv.storage_backends.tier import TierChange
 
 PREFIX_SEED = b"tierkv-prefix-cache"
-NO_PARENT = bytes(16)
 
 
 def chain(tokens: tuple[int, ...], block_size: int) -> list[int]:
@@ -51,22 +50,13 @@ def chain(tokens: tuple[int, ...], block_size: int) -> list[int]:
     return out
 
 
-def chunk_blocks(key: bytes, n: int) -> list[int]:
-    """The hashes of a stored chunk's first n blocks."""
-    return [xxhash.xxh3_64_intdigest(key + struct.pack("<I", j)) for j in range(n)]
-
-
 class CacheEvents:
     """Hooks that turn the prefix cache's, the tiers' and the server's changes into events for
     publisher."""
 
     def __init__(self, publisher: Publisher, block_size: int, chunk_size: int, ns: str) -> None:
-        self.publisher, self.block_size, self.chunk_size, self.ns = (
-            publisher,
-            block_size,
-            chunk_size,
-            ns,
-        )
+        self.publisher, self.block_size, self.ns = publisher, block_size, ns
+        self.blocks = EventBlocks(block_size, chunk_size)
         self.watcher: concurrent.futures.Future | None = None  # following the server, if any
 
     def close(self) -> None:
@@ -106,21 +96,15 @@ class CacheEvents:
             self._removed("remote", r.key)
 
     def _stored(self, tier: str, key: bytes, parent: bytes, tokens: Any) -> None:
-        bs = self.block_size
-        n = len(tokens) // bs
-        if not n:
-            return
-        up = chunk_blocks(parent, self.chunk_size // bs)[-1] if parent != NO_PARENT else None
-        ids = [int(t) for t in tokens[: n * bs]]
-        blocks = chunk_blocks(key, n)
-        self.publisher.add(
-            [BlockStored(blocks, up, ids, bs, None, lora_name=None, **placement(tier))]
-        )
+        b = self.blocks.stored(key, parent, tokens)
+        if b is not None:
+            bs, at = self.block_size, placement(tier)
+            self.publisher.add(
+                [BlockStored(b.hashes, b.parent, b.tokens, bs, None, lora_name=None, **at)]
+            )
 
     def _removed(self, tier: str, key: bytes) -> None:
-        # the block count of a chunk that left is not known: name every block it can have
-        blocks = chunk_blocks(key, self.chunk_size // self.block_size)
-        self.publisher.add([BlockRemoved(blocks, **placement(tier))])
+        self.publisher.add([BlockRemoved(self.blocks.removed(key), **placement(tier))])
 
 
 def start_events(cfg: Any, llm: Any, connector: Any) -> CacheEvents | None:

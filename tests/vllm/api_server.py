@@ -39,11 +39,28 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
         time.sleep(0.5)
 
 
+def router_binary() -> Path:
+    """vllm-router from the venv running the tests (the test extra installs it), else tierkv's."""
+    for bin_dir in (Path(sys.executable).parent, ROOT / ".venv" / "bin"):
+        if (bin_dir / "vllm-router").exists():
+            return bin_dir / "vllm-router"
+    raise RuntimeError("vllm-router is not installed: pip install -e '.[test]'")
+
+
 class ApiServer:
     """One vLLM OpenAI server with tierkv.vllm in kv_role `role`, its engine core in a process of
-    its own (as users run it), on the cores in `cpus`; dev mode for /reset_prefix_cache."""
+    its own (as users run it), on the cores in `cpus`, token ids in and out; dev mode for
+    /reset_prefix_cache. With `events`, it publishes vLLM's KV events on that ZMQ endpoint
+    (`tcp://*:PORT` binds)."""
 
-    def __init__(self, model: Path, extra: dict[str, Any], role: str, cpus: str) -> None:
+    def __init__(
+        self,
+        model: Path,
+        extra: dict[str, Any],
+        role: str,
+        cpus: str,
+        events: str | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ktc = {
@@ -57,6 +74,9 @@ class ApiServer:
         cmd += ["--dtype", "float32", "--enforce-eager", "--seed", "0", "--skip-tokenizer-init"]
         cmd += ["--max-model-len", "1024", "--enable-prompt-tokens-details"]
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        if events is not None:
+            kec = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
+            cmd += ["--kv-events-config", json.dumps(kec)]
         self.log = Path(f"/tmp/tierkv-vllm-{role}-{os.getpid()}-{self.port}.log")
         self.out = open(self.log, "w")
         env = {**os.environ, **ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}

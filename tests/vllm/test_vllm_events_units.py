@@ -1,7 +1,8 @@
 """tierkv.vllm's events and stats without an engine: a worker's store (cpu tier in front of a
 real Redis) reports stores, evictions and a corrupt Redis value as vLLM events with their media,
-chained by parent key and only for its namespace; the scheduler's view attributes hits to the
-fastest tier; queues are bounded; latencies reach the stats."""
+each chunk as its vLLM-sized blocks chained to the previous chunk's, only for its namespace;
+the scheduler's view attributes hits to the fastest tier; queues are bounded; latencies reach
+the stats."""
 
 from __future__ import annotations
 
@@ -14,22 +15,26 @@ import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tierkv.cacheserver.launch import RedisProcess
+from tierkv.connector.event_blocks import EventBlocks, chunk_blocks
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.keys import head_key
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.tier import TierChange
 from tierkv.vllm.events import (
     Outbox,
     SchedulerEvents,
     TierKVEvents,
     block_hash,
     recorder,
+    to_event,
 )
 from tierkv.vllm.ranks import PartNames
 from tierkv.vllm.stats import ObservedStats, Reporter, TierKVStats
 
 T = 64  # tokens per chunk: 2 layers x 2 x 64 x 2 heads x 128 x fp32, two 256 KiB cpu pages
+BLOCKS = EventBlocks(block_size=16, chunk_size=T)  # vLLM's block size: four blocks a chunk
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +48,14 @@ def chunk(i: int) -> bytes:
     return (i + 1).to_bytes(16, "big")
 
 
-def seg(i: int, parent: bytes = bytes(16), head: int = 0) -> KVSegment:
-    """KV head `head`'s part of chunk i (its parent: the previous chunk's key)."""
-    kv = torch.full((2, 2, T, 2, 128), float(i))
+def seg(i: int, parent: bytes = bytes(16), head: int = 0, n: int = T) -> KVSegment:
+    """KV head `head`'s part of chunk i (its parent: the previous chunk's key), n tokens."""
+    kv = torch.full((2, 2, n, 2, 128), float(i))
     return KVSegment.from_tensor(
         kv,
         key=head_key(chunk(i), head),
         parent=parent,
-        tokens=list(range(i * T, (i + 1) * T)),
+        tokens=list(range(i * T, i * T + n)),
         fingerprint=b"f",
     )
 
@@ -59,12 +64,14 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
     cpu = CpuTier(CpuTierConfig(capacity_bytes=1 << 20))
     store = TieredStore([cpu, RedisTier(RedisTierConfig(url=redis.url))])
     box, names = Outbox(), PartNames()
-    names.note([chunk(i) for i in (0, 1, 2, 9)])
-    store.watch(recorder(box, "team-a", T, publish=True, names=names))
+    names.note([chunk(i) for i in (0, 1, 2, 3, 4, 9)])
+    store.watch(recorder(box, "team-a", BLOCKS, names))
     try:
         a, b, c = seg(0), seg(1, chunk(0)), seg(2, chunk(1))
         other_head = seg(1, chunk(0), head=1)  # a chunk is told by its head-0 part alone
-        for s in (a, b, other_head, c):
+        # a prompt's partial last chunk: its one full block; one with no full block: nothing
+        part, tiny = seg(3, chunk(2), n=20), seg(4, chunk(3), n=10)
+        for s in (a, b, other_head, c, part, tiny):
             assert await store.put(s.key, s, "team-a")
         assert await store.put(seg(9).key, seg(9), "team-b")  # another namespace: never told
         await store.drain()
@@ -77,36 +84,47 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
     finally:
         await store.close()
     items = box.take()
-    events = [e for *_, e in items]
+    events = [e for *_, e in items if e is not None]  # `tiny` has none
     # events survive vLLM's own encoding
     batch = KVEventBatch(ts=0.0, events=events)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch).events
     assert back == events
-    h = {s.key: block_hash(chunk(i)) for i, s in ((0, a), (1, b), (2, c), (9, seg(9)))}
+    blocks = {i: [block_hash(x) for x in chunk_blocks(chunk(i), 4)] for i in (0, 1, 2, 3, 9)}
+    assert all(isinstance(x, int) for x in blocks[0])  # as vLLM's own by default
     stored = [
-        (e.ownership or e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockStored)
+        (e.ownership or e.medium, tuple(e.block_hashes))
+        for e in events
+        if isinstance(e, BlockStored)
     ]
-    want = {(m, h[s.key]) for s in (a, b, c) for m in ("CPU", "REDIS")}
-    assert want == set(stored) and len(stored) == len(want)  # not the head-1 part
+    want = {
+        (m, tuple(blocks[i][: 1 if i == 3 else 4])) for i in (0, 1, 2, 3) for m in ("CPU", "REDIS")
+    }
+    assert want == set(stored) and len(stored) == len(want)  # not the head-1 part, nor `tiny`
     removed = [
-        (e.ownership or e.medium, e.block_hashes[0]) for e in events if isinstance(e, BlockRemoved)
+        (e.ownership or e.medium, e.block_hashes) for e in events if isinstance(e, BlockRemoved)
     ]
-    assert ("CPU", h[a.key]) in removed  # the cpu tier (two chunks) evicted the oldest
-    assert ("REDIS", h[a.key]) in removed  # the corrupt value
-    sb = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [h[b.key]])
-    assert sb.parent_block_hash == h[a.key] and sb.token_ids == list(range(T, 2 * T))
-    assert sb.block_size == T and sb.locality == "LOCAL" and sb.ownership is None
+    # a removal names every block a chunk can have
+    assert ("CPU", blocks[0]) in removed  # the cpu tier (two chunks) evicted the oldest
+    assert ("REDIS", blocks[0]) in removed  # the corrupt value
+    assert all(len(hs) == 4 for _, hs in removed)
+    sb = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == blocks[1])
+    assert sb.parent_block_hash == blocks[0][-1] and sb.token_ids == list(range(T, 2 * T))
+    assert sb.block_size == 16 and sb.locality == "LOCAL" and sb.ownership is None
     rb = next(e for e in events if isinstance(e, BlockStored) and e.ownership == "REDIS")
     assert rb.medium is None and rb.locality == "REMOTE"  # as vllm-router's kv_aware admits it
-    first = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == [h[a.key]])
-    assert first.parent_block_hash is None
-    assert h[seg(9).key] not in {e.block_hashes[0] for e in events}
+    first = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == blocks[0])
+    assert first.parent_block_hash is None and first.token_ids == list(range(T))
+    last = next(e for e in events if isinstance(e, BlockStored) and e.block_hashes == blocks[3][:1])
+    assert last.parent_block_hash == blocks[2][-1] and last.token_ids == list(
+        range(3 * T, 3 * T + 16)
+    )
+    assert not set(blocks[9]) & {x for e in events for x in e.block_hashes}
 
     # the scheduler: the cpu tier's keys attribute hits to "cpu", the rest to the shared tier
     sched = SchedulerEvents(publish=True)
     # what a rank sends crosses vLLM's process boundary (its executors pickle step outputs)
     sched.from_workers(pickle.loads(pickle.dumps(TierKVEvents(items))))
-    assert sched.tier_of(chunk(2), "remote") == "cpu"  # by chunk key, as lookups ask
+    assert sched.tier_of(chunk(3), "remote") == "cpu"  # by chunk key, as lookups ask
     assert sched.tier_of(chunk(0), "remote") == "server"
     assert sched.tier_of(chunk(0), "redis") == "redis"
     assert len(sched.take()) == len(events) and sched.take() == []
@@ -115,10 +133,19 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
 def test_block_hashes_follow_vllms_setting(monkeypatch) -> None:
     from vllm import envs
 
-    key = bytes(range(16))
-    assert block_hash(key) == int.from_bytes(key[8:], "big")  # vLLM's default: 64-bit ints
+    h = chunk_blocks(bytes(range(16)), 1)[0]
+    assert block_hash(h) == h  # vLLM's default: 64-bit ints
     monkeypatch.setattr(envs, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", False, raising=False)
-    assert block_hash(key) == key
+    assert block_hash(h) == h.to_bytes(8, "big")
+    c = TierChange("removed", "remote", "team-a", chunk(0))
+    assert to_event(c, chunk(0), BLOCKS).block_hashes == [
+        x.to_bytes(8, "big") for x in chunk_blocks(chunk(0), 4)
+    ]
+
+
+def test_chunks_must_hold_whole_blocks() -> None:
+    with pytest.raises(ValueError, match="multiple of the engine's block size"):
+        EventBlocks(block_size=128, chunk_size=64)
 
 
 def test_bounds_and_stats() -> None:

@@ -25,11 +25,12 @@ from tests.vllm.conftest import prompt
 from tests.vllm.harness import ENV, ROOT
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.launch import ServerProcess, free_port
+from tierkv.connector.event_blocks import chunk_blocks
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.vllm.events import block_hash
 
 TOKENS = "tok-a-123456=team-a,tok-b-123456=team-b"
-CHUNK = 64
+CHUNK = 64  # one vLLM block (--block-size 64): a chunk's event names one block
 P1, P2 = prompt(300, 11), prompt(200, 12)
 
 
@@ -80,6 +81,8 @@ class Serve:
             "--skip-tokenizer-init",
             "--max-model-len",
             "1024",
+            "--block-size",
+            str(CHUNK),
         ]
         cmd += ["--kv-transfer-config", json.dumps(ktc), "--kv-events-config", json.dumps(events)]
         self.log = Path(f"/tmp/tierkv-vllm-serve-{os.getpid()}-{self.port}.log")
@@ -221,7 +224,7 @@ def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
     removed = [e for e in ours if isinstance(e, BlockRemoved)]
     by_medium = {where(e) for e in stored}
     assert {"CPU", "SERVER"} <= by_medium, by_medium
-    want = {tuple(c) for p in (P1, P2) for c in chunks(p)}
+    want = {tuple(c) for p in (P1, P2) for c in chunks(p) if len(c) == CHUNK}  # full blocks
     server_chunks = {tuple(e.token_ids) for e in stored if where(e) == "SERVER"}
     assert want <= server_chunks  # every chunk, with its tokens
     first = next(e for e in stored if where(e) == "SERVER" and e.token_ids == P1[:CHUNK])
@@ -235,7 +238,7 @@ def test_events_and_metrics(serve: Serve, server: ServerProcess) -> None:
     assert any(where(e) == "SERVER" and e.block_hashes == [bad] for e in removed)
     seen = {h for e in ours for h in e.block_hashes}
     assert all(isinstance(h, int) for h in seen)  # as vLLM's own (VLLM_KV_EVENTS_USE_INT_...)
-    assert not seen & {block_hash(k) for k in other}  # nothing of team-b
+    assert not seen & {block_hash(b) for k in other for b in chunk_blocks(k, 1)}  # no team-b
 
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     hits = total(d, "vllm:tierkv_hit_tokens_total")

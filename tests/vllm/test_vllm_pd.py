@@ -6,28 +6,18 @@ the decode instance's cold answer (an aggregated run: it computed the whole prom
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.vllm.api_server import ApiServer, completion, wait_healthy
+from tests.vllm.api_server import ApiServer, completion, router_binary, wait_healthy
 from tests.vllm.conftest import prompt
-from tests.vllm.harness import ROOT
 from tierkv.cacheserver.launch import ServerProcess, free_port
 
 CHUNK = 64
 P1, P3, P4 = prompt(300, 31), prompt(200, 33), prompt(260, 34)
 EXTRA = {"chunk_size": CHUNK, "token": "tok-pd-123456", "load_timeout_s": 3.0}
-
-
-def router_binary() -> Path:
-    """vllm-router from the venv running the tests (the test extra installs it), else tierkv's."""
-    for bin_dir in (Path(sys.executable).parent, ROOT / ".venv" / "bin"):
-        if (bin_dir / "vllm-router").exists():
-            return bin_dir / "vllm-router"
-    raise RuntimeError("vllm-router is not installed: pip install -e '.[test]'")
 
 
 @pytest.fixture(scope="module")
