@@ -125,6 +125,13 @@ class ChunkHasher:
             keys.append(prev)
         return keys
 
+    def chunk_key(self, parent: bytes | None, tokens) -> bytes:
+        """The key prefix_keys gives a chunk of these tokens after the chunk keyed parent (None:
+        a prompt's first chunk): what a reader told a chunk's parent and tokens rebuilds."""
+        h = xxhash.xxh3_128(self._seed if parent is None else parent)
+        h.update(as_tokens(tokens).data.cast("B"))
+        return h.digest()
+
     def prefix_key(self, tokens) -> bytes:
         """The chained key of the whole of tokens (its last chunk partial when not aligned): it
         names exactly these tokens at positions 0.. and nothing else."""

@@ -57,6 +57,19 @@ def test_inputs_agree_and_prefixes_share_keys(tokens):
         assert not set(h.prefix_keys(changed)) & set(keys)
 
 
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40), st.booleans())
+def test_a_chunk_key_rebuilds_from_its_parent_and_tokens(tokens, salted):
+    """What a server tells of a chunk (its parent key and tokens) gives back its key, under the
+    same hasher only."""
+    h = ChunkHasher(SALT).salted("tenant" if salted else None)
+    keys = h.prefix_keys(tokens, partial=True)
+    spans = h.chunks(tokens, partial=True)
+    for i, (a, b) in enumerate(spans):
+        assert h.chunk_key(keys[i - 1] if i else None, tokens[a:b]) == keys[i]
+    other = ChunkHasher(SALT).salted(None if salted else "tenant")
+    assert other.chunk_key(None, tokens[: spans[0][1]]) != keys[0]
+
+
 def test_every_salt_field_changes_keys():
     toks = list(range(8))
     base = ChunkHasher(SALT).prefix_keys(toks)

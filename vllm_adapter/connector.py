@@ -38,13 +38,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.connector.event_blocks import EventBlocks
 from tierkv.connector.loop import LoopThread
+from tierkv.connector.server_watch import follow
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.vllm.config import connector_config, salt
 from tierkv.vllm.events import (
     Outbox,
     SchedulerEvents,
     TierKVEvents,
-    follow_server,
+    from_server,
     hit_sources,
     recorder,
 )
@@ -104,10 +105,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
             # A failed load is recomputed, never a failed request (vLLM's default is "fail").
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            if blocks and hasattr(store.tiers[-1], "watch"):  # a tierkv-server: its removals
-                tier, names = store.tiers[-1], self.sched.names
-                follow = follow_server(tier, self.events.box, names, blocks)
-                self.watcher = self.loop.submit(follow)
+            if blocks and hasattr(store.tiers[-1], "watch"):  # a tierkv-server: what it holds
+                handle = from_server(self.events.box, self.sched.names, blocks, self.hasher)
+                job = follow(store.tiers[-1], handle, stored=True, who="tierkv.vllm")
+                self.watcher = self.loop.submit(job)
         else:
             store = self.loop.run(_build(cfg))
             names = PartNames()

@@ -15,21 +15,23 @@ medium CPU, DISK or GPU with locality LOCAL; the shared tier as no medium, local
 ownership SERVER (a tierkv-server) or REDIS.
 
 Where they come from: the worker's store reports its tiers' changes (tierkv.storage_backends'
-TierChange), which ride the step's output to the scheduler (`TierKVEvents`); keys leaving a
-tierkv-server come from its Watch stream, read by the scheduler. Every queue here is bounded:
+TierChange), which ride the step's output to the scheduler (`TierKVEvents`); chunks entering
+and leaving a tierkv-server come from its Watch stream, read by the scheduler (so every replica
+sharing the server tells what any of them stored there: a chunk another replica stored is
+named by the key this replica's hasher rebuilds from its parent and tokens, and only if that
+key is the stored one's). Every queue here is bounded:
 past it events are dropped and counted, never waited for.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-import grpc
 from vllm import envs
 from vllm.distributed.kv_events import (
     BlockRemoved,
@@ -39,14 +41,16 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tierkv.connector.event_blocks import EventBlocks
+from tierkv.connector.event_blocks import NO_PARENT, EventBlocks
 from tierkv.connector.placement import SHARED, placement
+from tierkv.storage_backends.keys import ChunkHasher, head_key
 from tierkv.storage_backends.tier import TierChange
 from tierkv.vllm.ranks import PartNames
 
 log = logging.getLogger("tierkv.vllm")
 REMOTE_TIERS = tuple(SHARED)  # the shared tier's names (the rest are the worker's own)
 LOCAL_ORDER = ("gpu", "cpu", "disk")  # the worker's own tiers, fastest first
+SERVER_TIER = "remote"  # a tierkv-server: its Watch stream tells what enters and leaves it
 
 
 def block_hash(h: int) -> bytes | int:
@@ -118,10 +122,10 @@ def recorder(
     """A TieredStore.watch hook that records ns's changes of chunks (their head-0 parts, see
     PartNames) in box as (tier, kind, chunk key, event); without blocks (vLLM's KV events
     off), only the worker's own tiers and no event (the scheduler's hit attribution needs no
-    more)."""
+    more). A tierkv-server's changes are told by its Watch stream (from_server), not here."""
 
     def hook(c: TierChange) -> None:
-        if c.ns != ns or not (blocks or c.tier not in REMOTE_TIERS):
+        if c.ns != ns or not (blocks or c.tier not in REMOTE_TIERS) or c.tier == SERVER_TIER:
             return
         chunk = names.chunk(c.key)
         if chunk is not None:
@@ -158,27 +162,46 @@ class TierKVEvents(KVConnectorKVEvents):
         self.items = []
 
 
-async def follow_server(tier: object, box: Outbox, names: PartNames, blocks: EventBlocks) -> None:
-    """Read the tierkv-server's Watch stream of this namespace into box as BlockRemoved(SERVER)
-    events of the chunks whose head-0 part left (every block each can have), reconnecting with
-    backoff (at most 10 s), until cancelled."""
-    pause = 0.5
-    while True:
-        try:
-            async for ev in tier.watch():  # type: ignore[attr-defined]
-                pause = 0.5
-                chunks = [c for c in map(names.chunk, (r.key for r in ev.removed)) if c]
-                box.add([("remote", "removed", c, removed(blocks, c, "remote")) for c in chunks])
-                box.lost(ev.dropped)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the server away or restarting: try again later
-            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.warning("tierkv.vllm: the server has no Watch: no BlockRemoved(SERVER)")
-                return
-            log.info("tierkv.vllm: the server's Watch stream ended (%r); retrying", e)
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 10.0)
+def chunk_of(part: bytes, parent: bytes, tokens: Any, names: PartNames, hasher: ChunkHasher
+             ) -> bytes | None:  # fmt: skip
+    """The chunk whose head-0 part the server told stored: one this process named, else the
+    key rebuilt from the parent and tokens, if its head-0 part is `part` (the same salt: another
+    replica of this model, never another salt's or a tenant's cache_salt)."""
+    chunk = names.chunk(part)
+    if chunk is None:
+        key = hasher.chunk_key(None if parent == NO_PARENT else parent, tokens)
+        if head_key(key, 0) == part:
+            names.note([key])
+            chunk = key
+    return chunk
+
+
+def from_server(box: Outbox, names: PartNames, blocks: EventBlocks, hasher: ChunkHasher
+                ) -> Callable[[Any], None]:  # fmt: skip
+    """A Watch handler: the server's stores and removals of chunks (their head-0 parts) into
+    box as events of the shared tier."""
+
+    def handle(ev: Any) -> None:
+        items = []
+        for st in ev.stored:
+            chunk = chunk_of(st.key, st.parent, st.tokens, names, hasher)
+            b = blocks.stored(chunk, st.parent, st.tokens) if chunk is not None else None
+            if chunk is not None and b is not None:
+                parent = None if b.parent is None else block_hash(b.parent)
+                hashes = [block_hash(x) for x in b.hashes]
+                at = placement(SERVER_TIER)
+                e = BlockStored(
+                    hashes, parent, b.tokens, blocks.block_size, None, lora_name=None, **at
+                )
+                items.append((SERVER_TIER, "stored", chunk, e))
+        for r in ev.removed:
+            chunk = names.chunk(r.key)
+            if chunk is not None:
+                items.append((SERVER_TIER, "removed", chunk, removed(blocks, chunk, SERVER_TIER)))
+        box.add(items)
+        box.lost(ev.dropped)
+
+    return handle
 
 
 @dataclass(slots=True, eq=False)

@@ -16,8 +16,9 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tierkv.cacheserver.launch import RedisProcess
 from tierkv.connector.event_blocks import EventBlocks, chunk_blocks
+from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
-from tierkv.storage_backends.keys import head_key
+from tierkv.storage_backends.keys import ChunkHasher, Salt, head_key
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
@@ -27,6 +28,7 @@ from tierkv.vllm.events import (
     SchedulerEvents,
     TierKVEvents,
     block_hash,
+    from_server,
     recorder,
     to_event,
 )
@@ -128,6 +130,42 @@ async def test_worker_store_events_with_media(redis: RedisProcess) -> None:
     assert sched.tier_of(chunk(0), "remote") == "server"
     assert sched.tier_of(chunk(0), "redis") == "redis"
     assert len(sched.take()) == len(events) and sched.take() == []
+
+
+def test_the_servers_stores_name_chunks_this_replica_can_load() -> None:
+    """The server's Watch tells head-0 parts with their parent and tokens: a chunk another
+    replica stored is named by the key rebuilt here (the same salt), and chained; another
+    head's part, a cache_salt tenant's chunk and a removal of an unknown part tell nothing."""
+    hasher = ChunkHasher(Salt(model_fingerprint="m", kv_format="f", chunk_size=T, namespace="a"))
+    tokens = list(range(1000, 1000 + 2 * T))
+    keys = hasher.prefix_keys(tokens)
+    tenant = hasher.salted("tenant-secret").prefix_keys(tokens)[0]
+
+    def told(key: bytes, parent: bytes, toks: list[int]) -> pb.Stored:
+        return pb.Stored(key=key, parent=parent, tokens=toks)
+
+    ev = pb.WatchEvent(
+        stored=[
+            told(head_key(keys[0], 0), bytes(16), tokens[:T]),
+            told(head_key(keys[1], 0), keys[0], tokens[T:]),
+            told(head_key(keys[1], 1), keys[0], tokens[T:]),
+            told(head_key(tenant, 0), bytes(16), tokens[:T]),
+        ],
+        removed=[pb.Removed(key=head_key(keys[0], 0)), pb.Removed(key=head_key(b"x" * 16, 0))],
+    )
+    box, names = Outbox(), PartNames()
+    from_server(box, names, BLOCKS, hasher)(ev)
+    items = box.take()
+    assert [(t, k, c) for t, k, c, _ in items] == [
+        ("remote", "stored", keys[0]),
+        ("remote", "stored", keys[1]),
+        ("remote", "removed", keys[0]),
+    ]
+    first, second, gone = (e for *_, e in items)
+    assert first.block_hashes == chunk_blocks(keys[0], 4) and first.parent_block_hash is None
+    assert second.parent_block_hash == first.block_hashes[-1]
+    assert second.token_ids == tokens[T:] and second.ownership == "SERVER"
+    assert isinstance(gone, BlockRemoved) and gone.block_hashes == first.block_hashes
 
 
 def test_block_hashes_follow_vllms_setting(monkeypatch) -> None:
