@@ -182,7 +182,11 @@ class Fleet:
         remote = None
         if self.servers:
             remote = f"grpc://127.0.0.1:{self.servers[i % len(self.servers)].port}"
-        events = f"tcp://127.0.0.1:{free_port()}" if cfg.policy == "kv_aware" else None
+        # The replica binds its events' socket and the router connects (vllm-router takes only
+        # tcp://HOST:PORT). serve binds a loopback endpoint; vLLM binds only a wildcard one,
+        # tcp://*, on every interface, and connects to any other.
+        host = "127.0.0.1" if cfg.engine == "tierkv" else "*"
+        events = f"tcp://{host}:{free_port()}" if cfg.policy == "kv_aware" else None
         if cfg.engine == "tierkv":
             model = (
                 ["--random-config", cfg.model[7:]]
@@ -252,7 +256,7 @@ class Fleet:
         else:
             cmd += ["--worker-urls", *urls, "--policy", cfg.policy]
         for url, endpoint in self.events.items():
-            cmd += ["--kv-event-source", f"{url}={endpoint}"]
+            cmd += ["--kv-event-source", f"{url}={endpoint.replace('*', '127.0.0.1')}"]
         if self.events:
             # both engines tell their tiers' chunks as their own KV blocks
             size = ENGINE_BLOCK if cfg.engine == "tierkv" else VLLM_BLOCK

@@ -193,19 +193,21 @@ def test_kv_aware_routes_by_the_replicas_events(
     ckpt: Path, cold: dict[tuple[int, ...], str], tmp_path: Path
 ) -> None:
     """vllm-router's kv_aware policy fed by serve's KV events (prefix-cache blocks as GPU,
-    connector tiers as CPU / SERVER): a prompt asked again goes to the replica whose blocks
-    hold it (its own prefix cache answers), where round robin would alternate."""
+    connector tiers as CPU / SERVER): a prompt first computed on replica 1 (where a router blind
+    to the events, falling back to the least loaded, would pick replica 0) is sent there, its
+    own prefix cache answering, each time."""
     f = Fleet(config(ckpt, tmp_path, policy="kv_aware"))
     f.start()
     try:
         assert len(f.events) == 2  # every replica publishes, the router subscribes to each
+        home = f.replicas[1].url
         for p in ALONE[:3]:
-            first = complete(f.url, p)
+            first = complete(home, p)
             assert first[0] == cold[tuple(p)]
             time.sleep(1.0)  # the stored events reach the router
             again = [complete(f.url, p) for _ in range(3)]
             assert all(text == cold[tuple(p)] for text, _ in again)
             local = [u["cached_tokens_by_source"].get("prefix_cache", 0) for _, u in again]
-            assert all(n >= 64 for n in local), local  # the same replica's blocks each time
+            assert all(n >= 64 for n in local), local  # replica 1's own blocks each time
     finally:
         f.stop()

@@ -66,9 +66,15 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+LOOPBACK = ("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:")
+
+
 def bind_or_connect(sock: zmq.Socket, endpoint: str) -> None:
-    """As vLLM: wildcard, ipc and inproc endpoints are bound, the rest connected to."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+    """As vLLM: wildcard, ipc and inproc endpoints are bound, the rest connected to; and a
+    loopback tcp endpoint is bound too (vLLM would connect), so a replica can publish to this
+    host's subscribers only."""
+    local = endpoint.startswith(LOOPBACK)
+    if local or "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
         sock.bind(endpoint)
     else:
         sock.connect(endpoint)
