@@ -8,7 +8,7 @@ round_robin, cache_aware, consistent_hash and kv_aware (tier events) with it; an
 with it. Per system and rate: TTFT p50/p90/p99, TPOT p50/p99, throughput, goodput, the share
 of prompt tokens by where they came from, failures.
 
-    python -m bench.fleet [--quick] [--rates 1,2,3] [--tenants 8 --questions 6 --sessions 4]
+    python -m bench.fleet [--quick] [--rates 1,2,3] [--tenants 16 --questions 4 --sessions 4]
 """
 
 from __future__ import annotations
@@ -227,8 +227,8 @@ def fleet_goals(rows: list[dict[str, Any]], rates: list[float]) -> list[dict[str
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--rates", help="arrival rates in requests/s, comma-separated (default 1,2,3)")
-    p.add_argument("--tenants", type=int, default=8, help="tenants, each a system prompt (8)")
-    p.add_argument("--questions", type=int, default=6, help="questions per tenant (6)")
+    p.add_argument("--tenants", type=int, default=16, help="tenants, each a system prompt (16)")
+    p.add_argument("--questions", type=int, default=4, help="questions per tenant (4)")
     p.add_argument("--sessions", type=int, default=4, help="3-turn sessions (4)")
     args = p.parse_args()
     rates = [1.0] if args.quick else [1.0, 2.0, 3.0]
