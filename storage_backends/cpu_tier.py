@@ -13,6 +13,7 @@ from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.invariants import InvariantError, invariant
 from tierkv.storage_backends.names import check_key, check_namespace
+from tierkv.storage_backends.page_views import PageViews, open_views
 from tierkv.storage_backends.pages import PageAllocator, runs
 from tierkv.storage_backends.segment import (
     KVSegment,
@@ -51,10 +52,12 @@ class CpuTierConfig:
             )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class CpuEntry:
     header: SegmentHeader
     pages: list[int]
+    readers: int = 0  # zero-copy readers of its pages (payload_views) not yet released
+    gone: bool = False  # out of the index, its pages kept until the last reader ends
 
 
 class CpuTier(IndexedTier[CpuEntry]):
@@ -74,6 +77,7 @@ class CpuTier(IndexedTier[CpuEntry]):
         self._mv = self._buf.numpy().data
         self.pinned = pin
         self.pages = PageAllocator(num_pages)
+        self.kept: list[CpuEntry] = []  # deleted while read: freed when their readers end
         self._start_index(
             num_pages * pb,
             c.lease_ttl_s,
@@ -104,6 +108,11 @@ class CpuTier(IndexedTier[CpuEntry]):
         except SegmentError:
             self._corrupt(ns, key)
             return None
+
+    def payload_views(self, key: bytes, ns: str) -> PageViews | None:
+        """key's payload as views of the tier's pages, no copy, held until released
+        (storage_backends.page_views); None on a miss or for a compressed segment."""
+        return open_views(self, check_namespace(ns), check_key(key))
 
     def _copy(self, entry: CpuEntry) -> KVSegment:
         """A verified copy of the whole encoded segment, owned by the caller."""
@@ -222,14 +231,24 @@ class CpuTier(IndexedTier[CpuEntry]):
         return len(entry.pages) * self.page_bytes
 
     def _release(self, entry: CpuEntry) -> None:
-        self.pages.release(entry.pages)
+        if entry.readers:  # a zero-copy reader still sends from these pages
+            entry.gone = True
+            self.kept.append(entry)
+            self.reserved_bytes += self._entry_bytes(entry)
+        else:
+            self.pages.release(entry.pages)
+
+    def _in_use(self, entry: CpuEntry) -> bool:
+        return entry.readers > 0
 
     def _evicted(self, entry: CpuEntry) -> KVSegment:
         return self._copy(entry)
 
     def _check_entries(self) -> None:
         """The allocator agrees with the index: no overlap, no leak; each segment fits its pages."""
-        self.pages.check_integrity(e.pages for e in self.index.values())
+        self.pages.check_integrity(e.pages for e in [*self.index.values(), *self.kept])
+        kept = sum(self._entry_bytes(e) for e in self.kept)
+        invariant(kept <= self.reserved_bytes, "pages kept for readers not reserved")
         for e in self.index.values():
             invariant(
                 len(e.pages) * self.page_bytes >= e.header.nbytes, "segment larger than its pages"

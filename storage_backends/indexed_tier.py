@@ -52,6 +52,10 @@ class IndexedTier(BaseTier, Generic[E]):
     def _check_entries(self) -> None:
         pass
 
+    def _in_use(self, entry: E) -> bool:
+        """True while a reader holds the entry's memory itself (never evicted then)."""
+        return False
+
     # -- the index -------------------------------------------------------------------------
     def _add(self, ns: str, key: bytes, entry: E) -> None:
         self.index[(ns, key)] = entry
@@ -99,7 +103,7 @@ class IndexedTier(BaseTier, Generic[E]):
         for ident, entry in self.index.items():
             if free >= n:
                 break
-            if not self.leases.held(*ident):
+            if not self.leases.held(*ident) and not self._in_use(entry):
                 victims.append(ident)
                 free += self._entry_bytes(entry)
         if free < n:

@@ -18,6 +18,7 @@ from typing import TypeVar, cast
 
 T = TypeVar("T")
 READ = 256 * 1024  # encrypted bytes taken from the socket per read
+IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +96,26 @@ class Conn:
         while sent < len(view):
             sent += tls.write(view[sent : sent + READ])
             await self._flush()
+
+    async def send_views(self, views: list[memoryview]) -> None:
+        """Send the buffers in order without joining them: scatter-gather sendmsg calls on a
+        plain socket (the kernel's copy only), one buffer after another under TLS."""
+        if self.tls is not None:
+            for v in views:
+                await self.sendall(v)
+            return
+        loop = asyncio.get_running_loop()
+        rest = [b for b in (memoryview(v).cast("B") for v in views) if len(b)]
+        while rest:
+            try:
+                sent = self.sock.sendmsg(rest[:IOV_MAX])
+            except (BlockingIOError, InterruptedError):  # full: wait for room, send one whole
+                await loop.sock_sendall(self.sock, rest.pop(0))
+                continue
+            while rest and sent >= len(rest[0]):
+                sent -= len(rest.pop(0))
+            if sent:
+                rest[0] = rest[0][sent:]
 
 
 def tls_context(ca: str | bytes) -> ssl.SSLContext:

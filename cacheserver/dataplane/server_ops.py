@@ -2,7 +2,8 @@
 GET into the session's region, GET with the payloads inline (TCP), STREAM, and PUT.
 
 GET into a region copies each payload once, from the tier holding it (a cpu-tier hit is read
-straight into the region); inline, each payload is sent from the segment the store returned.
+straight into the region); inline, a cpu-tier hit is sent from the tier's own pages, held while
+it is sent (storage_backends.page_views), and any other from the segment the store returned.
 PUT receives the encoded bytes straight into one buffer, taken from the in-flight budget as
 they arrive, and stores them only once the whole segment checks out."""
 
@@ -31,6 +32,7 @@ from tierkv.cacheserver.dataplane.stream_server import Outbound
 from tierkv.cacheserver.frames import BadRequest
 from tierkv.cacheserver.receive import Inflight
 from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.cpu_tier import CpuTier
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.names import KEY_NBYTES
 from tierkv.storage_backends.segment import KVSegment, SegmentError
@@ -113,7 +115,17 @@ async def get_inline(
     server holds one segment per session, however many keys a GET names)."""
     keys = keys_of(count, body)
     await conn.sendall(pack(OK, count))
+    top = store.tiers[0]
     for key in keys:
+        # a cpu-tier hit goes out from the tier's pages, held (not copied) while it is sent
+        views = top.payload_views(key, s.ns) if isinstance(top, CpuTier) else None
+        if views is not None:
+            with views:
+                head = views.header.encode()
+                reply = REPLY.pack(0, views.header.payload_raw_nbytes, len(head)) + head
+                await conn.send_views([memoryview(reply), *views.views])
+            counts.count_get(s.ns, top.name, views.header.payload_raw_nbytes)
+            continue
         seg, where = await store.get_from(key, s.ns)
         if seg is None:
             counts.count_get(s.ns, "", 0)
