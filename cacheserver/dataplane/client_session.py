@@ -115,10 +115,8 @@ class Session:
         server stored it."""
         h, head, blobs = seg.encode_parts()
         async with self.io:
-            await self.conn.sendall(pack(PUT, 1, key + struct.pack("<Q", h.nbytes)))
-            await self.conn.sendall(head)
-            for blob in blobs:
-                await self.conn.sendall(memoryview(blob).cast("B"))
+            request = pack(PUT, 1, key + struct.pack("<Q", h.nbytes)) + head
+            await self.conn.send_views([memoryview(request), *(memoryview(b) for b in blobs)])
             code, stored, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
             why = await self.conn.recv_exactly(min(n, MAX_BODY)) if n else b""
         if code != OK:

@@ -114,7 +114,7 @@ async def get_inline(
     """A GET over TCP: OK, then per key its REPLY, header and payload, one key at a time (the
     server holds one segment per session, however many keys a GET names)."""
     keys = keys_of(count, body)
-    await conn.sendall(pack(OK, count))
+    ok = pack(OK, count)  # goes out with the first key's reply
     top = store.tiers[0]
     for key in keys:
         # a cpu-tier hit goes out from the tier's pages, held (not copied) while it is sent
@@ -122,19 +122,21 @@ async def get_inline(
         if views is not None:
             with views:
                 head = views.header.encode()
-                reply = REPLY.pack(0, views.header.payload_raw_nbytes, len(head)) + head
+                reply = ok + REPLY.pack(0, views.header.payload_raw_nbytes, len(head)) + head
                 await conn.send_views([memoryview(reply), *views.views])
+            ok = b""
             counts.count_get(s.ns, top.name, views.header.payload_raw_nbytes)
             continue
         seg, where = await store.get_from(key, s.ns)
         if seg is None:
             counts.count_get(s.ns, "", 0)
-            await conn.sendall(REPLY.pack(0, 0, 0))
+            await conn.sendall(ok + REPLY.pack(0, 0, 0))
+            ok = b""
             continue
         head = seg.full_header().encode()
         raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
-        await conn.sendall(REPLY.pack(0, len(raw), len(head)) + head)
-        await conn.sendall(raw)
+        await conn.send_views([memoryview(ok + REPLY.pack(0, len(raw), len(head)) + head), raw])
+        ok = b""
         counts.count_get(s.ns, where, len(raw))
 
 
