@@ -1,12 +1,14 @@
 """tierkv-server's TCP data port (the path of every cross-host load) against raw loopback TCP
 and LMCache's lm:// server moving the same bytes: `python -m bench.tcp_port [--quick]`.
 
-Get and put of 1, 4 and 32 MiB segments (the bench model's KV layout) by one client, in
-alternating rounds (12, or 3 with --quick): each round times raw TCP, LMCache 0.5.6's
-`lmcache_server` (driven by bench/lmcache_driver.py with its own protocol, in `.venv-lmcache`,
-made by `make setup-lmcache` when missing), tierkv's TCP port and its shared-memory path, each
-the median of 3 transfers; the table gives GB/s as the median over rounds and ratios taken
-within each round. Every server is a real process on loopback.
+Get and put of 1, 4 and 32 MiB segments (the bench model's KV layout) by one client, a STREAM
+of each (the connector's load; the raw TCP and LMCache columns there repeat their gets), and
+one STREAM of 64 keys of 256 KiB against 64 LMCache gets, in alternating rounds (12, or 3 with
+--quick): each round times raw TCP, LMCache 0.5.6's `lmcache_server` (driven by
+bench/lmcache_driver.py with its own protocol, in `.venv-lmcache`, made by `make
+setup-lmcache` when missing), tierkv's TCP port and its shared-memory path, each the median of
+3 transfers; the table gives GB/s as the median over rounds and ratios taken within each round.
+Every server is a real process on loopback.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from bench.server import bench_tcp, bench_tierkv, make_segment, tcp_server
+from bench.server import bench_stream, bench_tcp, bench_tierkv, make_segment, tcp_server
 from tierkv.cacheserver.launch import ServerProcess, free_port, wait_port
 
 SIZES = [1, 4, 32]  # MiB
+MANY = "64 x 0.25"  # one STREAM of 64 keys of 256 KiB (a request's chunks); 64 gets elsewhere
+PATHS = (("tierkv TCP port", "tcp"), ("tierkv shared memory", "shm"))
 ROOT = Path(__file__).resolve().parent.parent
 LMC = ROOT / ".venv-lmcache" / "bin"
 
@@ -76,6 +80,8 @@ async def main() -> None:
     server = ServerProcess(args=["--cpu-bytes", "1GiB", "--disk-bytes", "0"]).start()
     segs = {mib: make_segment(mib, seed=mib) for mib in SIZES}
     raw = {mib: tcp_server(segs[mib].nbytes) for mib in SIZES}
+    small = make_segment(0.25, seed=99)
+    raw_small = tcp_server(small.nbytes)
     lmc = LMCache()
     got: dict[tuple[str, str, int], list[float]] = {}
     try:
@@ -93,18 +99,34 @@ async def main() -> None:
                 for path, (put_s, get_s) in t.items():
                     got.setdefault((path, "put", mib), []).append(n / put_s / 1e9)
                     got.setdefault((path, "get", mib), []).append(n / get_s / 1e9)
+                # the connector's load: one STREAM of the key, against the same round's gets
+                for path, how in PATHS:
+                    secs = await bench_stream(server.target, segs[mib], 1, 3, how)
+                    got.setdefault((path, "stream", mib), []).append(n / secs / 1e9)
+                for path in ("raw TCP", "LMCache lm://"):
+                    got.setdefault((path, "stream", mib), []).append(got[(path, "get", mib)][-1])
+            m = small.nbytes
+            one = {
+                "raw TCP": bench_tcp(raw_small[1], m, 1, 3)[1],
+                "LMCache lm://": lmc.round(m, 64)[1],
+            }
+            for path, secs in one.items():
+                got.setdefault((path, "stream", MANY), []).append(m / secs / 1e9)
+            for path, how in PATHS:
+                secs = await bench_stream(server.target, small, 64, 3, how)
+                got.setdefault((path, "stream", MANY), []).append(64 * m / secs / 1e9)
     finally:
         server.stop(kill=True)
         lmc.close()
-        for proc, _ in raw.values():
+        for proc, _ in [*raw.values(), raw_small]:
             proc.kill()
     rows: list[dict[str, Any]] = []
 
     def ratio(a: list[float], b: list[float]) -> float:
         return round(statistics.median(x / y for x, y in zip(a, b)), 3)
 
-    for op in ("get", "put"):
-        for mib in SIZES:
+    for op, sizes in (("get", SIZES), ("put", SIZES), ("stream", [*SIZES, MANY])):
+        for mib in sizes:
             base, lm = got[("raw TCP", op, mib)], got[("LMCache lm://", op, mib)]
             tcp, shm = got[("tierkv TCP port", op, mib)], got[("tierkv shared memory", op, mib)]
             rows.append(
@@ -131,9 +153,19 @@ async def main() -> None:
                     f"shared memory / LMCache, {at}", r["shared_memory_vs_lmcache"], ">=", 1.2, "x"
                 )
             )
-        goals.append(
-            goal(f"TCP port / LMCache lm://, {at}", r["tcp_port_vs_lmcache"], ">=", 1.0, "x")
+        if r["op"] != "stream":
+            goals.append(
+                goal(f"TCP port / LMCache lm://, {at}", r["tcp_port_vs_lmcache"], ">=", 1.0, "x")
+            )
+    many = rows[-1]
+    goals.append(
+        goal("64 x 256 KiB, one STREAM, TCP port", many["tcp_port_gbps"], ">=", 1.5, "GB/s")
+    )
+    goals.append(
+        goal(
+            "64 x 256 KiB, one STREAM, shared memory", many["shared_memory_gbps"], ">=", 2.0, "GB/s"
         )
+    )
 
     def plot(ax: Any) -> None:
         for op, style in (("get", "-o"), ("put", "--s")):
@@ -142,7 +174,7 @@ async def main() -> None:
                 ("lmcache_gbps", "LMCache lm://"),
                 ("tcp_port_gbps", "TCP port"),
             ):
-                pts = [(r["mib"], r[col]) for r in rows if r["op"] == op]
+                pts = [(r["mib"], r[col]) for r in rows if r["op"] == op and r["mib"] != MANY]
                 ax.plot(*zip(*pts), style, label=f"{label} {op}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("segment MiB")

@@ -1,7 +1,8 @@
 """Gets over the TCP data port are sent from the cpu tier's own pages (no copy), held while
 they are sent: against a real tierkv-server process with a small cpu tier, deletes,
-overwrites and evicting puts racing the sends never put another key's or another namespace's
-bytes on the wire (hypothesis), and a client killed mid-read frees what its send held."""
+overwrites and evicting puts racing gets and STREAMs never put another key's or another
+namespace's bytes on the wire (hypothesis), and a client killed mid-read frees what its send
+held."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ STORED: dict[tuple[str, int], set[bytes]] = {}  # every payload each key ever ha
 VERSIONS: list[int] = []
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["get", "put", "del"]), st.sampled_from("ab"), st.integers(0, 7)),
+    st.tuples(
+        st.sampled_from(["get", "stream", "put", "del"]), st.sampled_from("ab"), st.integers(0, 7)
+    ),
     min_size=4,
     max_size=24,
 )
@@ -82,6 +85,11 @@ def test_racing_deletes_and_evictions_never_mix_bytes(server: ServerProcess, ops
                 await data[ns].put(s.key, s)
             elif kind == "del":
                 await ctl[ns].delete(key(k))
+            elif kind == "stream":
+                sink = Collect()
+                await data[ns].stream([key(k)], "default", sink)  # the token names the ns
+                if sink.whole():  # layer by layer, each checked by the client
+                    assert bytes(sink.buf) in stored.get((ns, k), set()), "bytes never stored"
             else:
                 got = await data[ns].get(key(k))
                 if got is not None:  # checked by the client: its own key, whole
@@ -100,6 +108,34 @@ def test_racing_deletes_and_evictions_never_mix_bytes(server: ServerProcess, ops
                 await t.close()
 
     asyncio.run(run())
+
+
+class Collect:
+    """A LayerSink keeping one key's layers (or why it was dropped)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.layers = 0
+        self.num_layers = -1
+        self.dropped = ""
+
+    def open(self, i: int, header) -> bool:
+        self.buf = bytearray(header.payload_raw_nbytes)
+        self.num_layers, self.n = header.num_layers, header.layer_raw_nbytes
+        return True
+
+    def into(self, i: int, layer: int) -> memoryview:
+        self.layers = layer + 1
+        return memoryview(self.buf)[layer * self.n : (layer + 1) * self.n]
+
+    def drop(self, i: int, why: str) -> None:
+        self.dropped = why
+
+    async def ready(self, layer: int) -> None:
+        pass
+
+    def whole(self) -> bool:
+        return not self.dropped and self.layers == self.num_layers > 0
 
 
 READER = """
