@@ -119,6 +119,27 @@ class ApiServer:
         self.out.close()
 
 
+def start_router(args: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    """A real vllm-router with `args` (its mode, workers and policy) on a free port, logging
+    to log; returned once its /health answers."""
+    port = free_port()
+    cmd = [str(router_binary()), *args, "--port", str(port)]
+    cmd += ["--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]
+    router = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    wait_healthy(f"http://127.0.0.1:{port}/health", router, log, 120)
+    return router, port
+
+
+def stop_all(procs: list[Any]) -> None:
+    """Stop what a fixture started, last first: ApiServers closed, routers terminated."""
+    for p in reversed(procs):
+        if isinstance(p, ApiServer):
+            p.close()
+        else:
+            p.terminate()
+            p.wait(30)
+
+
 def completion(
     url: str, prompt: list[int], max_tokens: int = 16, params: dict[str, Any] | None = None
 ) -> dict[str, Any]:

@@ -7,7 +7,7 @@ replica's answer equals the prompt's first, cold one."""
 
 from __future__ import annotations
 
-import subprocess
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.api_server import ApiServer, completion, post, router_binary, wait_healthy
+from tests.vllm.api_server import ApiServer, completion, post, start_router, stop_all
 from tests.vllm.conftest import prompt
 from tierkv.cacheserver.launch import ServerProcess, free_port
 
@@ -35,27 +35,17 @@ def fleet(tiny: Path) -> Iterator[dict[str, Any]]:
     try:
         for r in replicas:
             r.wait()
-        port = free_port()
-        log = Path(f"/tmp/tierkv-vllm-kv-aware-router-{port}.log")
-        cmd = [str(router_binary()), "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--worker-urls", *(r.url for r in replicas), "--policy", "kv_aware"]
+        log = Path(f"/tmp/tierkv-vllm-kv-aware-router-{os.getpid()}.log")
+        args = ["--host", "127.0.0.1", "--worker-urls", *(r.url for r in replicas)]
+        args += ["--policy", "kv_aware", "--log-level", "debug"]
         for r, p in zip(replicas, ports):
-            cmd += ["--kv-event-source", f"{r.url}=tcp://127.0.0.1:{p}"]
-        cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", str(tiny)]
-        cmd += ["--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]
-        cmd += ["--log-level", "debug"]
-        out = open(log, "w")
-        router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            args += ["--kv-event-source", f"{r.url}=tcp://127.0.0.1:{p}"]
+        args += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", str(tiny)]
+        router, port = start_router(args, log)
         procs.append(router)
-        wait_healthy(f"http://127.0.0.1:{port}/health", router, log, 120)
         yield {"replicas": replicas, "url": f"http://127.0.0.1:{port}"}
     finally:
-        for p in reversed(procs):
-            if isinstance(p, ApiServer):
-                p.close()
-            else:
-                p.terminate()
-                p.wait(30)
+        stop_all(procs)
         server.stop(kill=True)
 
 

@@ -5,15 +5,15 @@ the decode instance's cold answer (an aggregated run: it computed the whole prom
 
 from __future__ import annotations
 
-import subprocess
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.vllm.api_server import ApiServer, completion, router_binary, wait_healthy
+from tests.vllm.api_server import ApiServer, completion, start_router, stop_all
 from tests.vllm.conftest import prompt
-from tierkv.cacheserver.launch import ServerProcess, free_port
+from tierkv.cacheserver.launch import ServerProcess
 
 CHUNK = 64
 P1, P3, P4 = prompt(300, 31), prompt(200, 33), prompt(260, 34)
@@ -33,23 +33,13 @@ def fleet(tiny: Path) -> Iterator[dict]:
         answers = [completion(decode.url, p)["choices"][0]["token_ids"] for p in (P1, P3, P4)]
         cold = dict(zip(map(tuple, (P1, P3, P4)), answers))
         decode.reset()
-        port = free_port()
-        log = Path(f"/tmp/tierkv-vllm-router-{port}.log")
-        cmd = [str(router_binary()), "--vllm-pd-disaggregation", "--policy", "round_robin"]
-        cmd += ["--prefill", prefill.url, "--decode", decode.url, "--port", str(port)]
-        cmd += ["--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]
-        out = open(log, "w")
-        router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        log = Path(f"/tmp/tierkv-vllm-router-{os.getpid()}-pd.log")
+        args = ["--vllm-pd-disaggregation", "--policy", "round_robin"]
+        router, port = start_router(args + ["--prefill", prefill.url, "--decode", decode.url], log)
         procs.append(router)
-        wait_healthy(f"http://127.0.0.1:{port}/health", router, log, 120)
         yield {"prefill": prefill, "decode": decode, "cold": cold, "router": port, "log": log}
     finally:
-        for p in reversed(procs):
-            if isinstance(p, ApiServer):
-                p.close()
-            else:
-                p.terminate()
-                p.wait(30)
+        stop_all(procs)
         server.stop(kill=True)
 
 
