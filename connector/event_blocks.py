@@ -52,7 +52,12 @@ class EventBlocks:
         n = len(tokens) // self.block_size
         if not n:
             return None
-        up = None if parent == NO_PARENT else self.removed(parent)[-1]
+        last = self.chunk_size // self.block_size - 1  # the parent chunk's last block
+        up = (
+            None
+            if parent == NO_PARENT
+            else xxhash.xxh3_64_intdigest(parent + struct.pack("<I", last))
+        )
         full = [int(t) for t in tokens[: n * self.block_size]]
         return StoredBlocks(chunk_blocks(key, n), up, full)
 

@@ -79,14 +79,19 @@ def to_event(c: TierChange, chunk: bytes, blocks: EventBlocks) -> KVCacheEvent |
     block)."""
     if c.kind == "removed" or c.header is None:
         return removed(blocks, chunk, c.tier)
-    h = c.header
-    b = blocks.stored(chunk, bytes(h.parent), h.tokens)
+    return stored(blocks, chunk, bytes(c.header.parent), c.header.tokens, c.tier)
+
+
+def stored(blocks: EventBlocks, chunk: bytes, parent: bytes, tokens: Any, tier: str
+           ) -> BlockStored | None:  # fmt: skip
+    """The event of chunk (after parent, these tokens) stored in tier; None when it fills no
+    block."""
+    b = blocks.stored(chunk, parent, tokens)
     if b is None:
         return None
-    parent = None if b.parent is None else block_hash(b.parent)
-    hashes = [block_hash(x) for x in b.hashes]
-    at = placement(c.tier)
-    return BlockStored(hashes, parent, b.tokens, blocks.block_size, None, lora_name=None, **at)
+    up = None if b.parent is None else block_hash(b.parent)
+    hashes, at = [block_hash(x) for x in b.hashes], placement(tier)
+    return BlockStored(hashes, up, b.tokens, blocks.block_size, None, lora_name=None, **at)
 
 
 @dataclass(slots=True, eq=False)
@@ -185,14 +190,8 @@ def from_server(box: Outbox, names: PartNames, blocks: EventBlocks, hasher: Chun
         items = []
         for st in ev.stored:
             chunk = chunk_of(st.key, st.parent, st.tokens, names, hasher)
-            b = blocks.stored(chunk, st.parent, st.tokens) if chunk is not None else None
-            if chunk is not None and b is not None:
-                parent = None if b.parent is None else block_hash(b.parent)
-                hashes = [block_hash(x) for x in b.hashes]
-                at = placement(SERVER_TIER)
-                e = BlockStored(
-                    hashes, parent, b.tokens, blocks.block_size, None, lora_name=None, **at
-                )
+            e = stored(blocks, chunk, st.parent, st.tokens, SERVER_TIER) if chunk else None
+            if chunk is not None and e is not None:
                 items.append((SERVER_TIER, "stored", chunk, e))
         for r in ev.removed:
             chunk = names.chunk(r.key)
