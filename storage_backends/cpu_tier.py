@@ -13,6 +13,7 @@ from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.invariants import InvariantError, invariant
 from tierkv.storage_backends.names import check_key, check_namespace
+from tierkv.storage_backends.page_landing import Landing, land
 from tierkv.storage_backends.page_views import PageViews, open_views
 from tierkv.storage_backends.pages import PageAllocator, runs
 from tierkv.storage_backends.segment import (
@@ -31,9 +32,7 @@ from tierkv.storage_backends.tier import SegmentLayer
 @dataclass(slots=True)
 class CpuTierConfig:
     capacity_bytes: int | str = "1GiB"  # the whole buffer, allocated once at start; never exceeded
-    page_bytes: int | str = (
-        "256KiB"  # allocation unit; a segment wastes at most one page less a byte
-    )
+    page_bytes: int | str = "256KiB"  # allocation unit; a segment wastes < 1 page
     pin_memory: bool | None = None  # page-lock the buffer for fast H2D copies; None: with CUDA
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
     # Re-check layer checksums on every read. The tier holds only bytes it copied itself from
@@ -78,6 +77,7 @@ class CpuTier(IndexedTier[CpuEntry]):
         self.pinned = pin
         self.pages = PageAllocator(num_pages)
         self.kept: list[CpuEntry] = []  # deleted while read: freed when their readers end
+        self.landing: list[CpuEntry] = []  # being received into (page_landing), not indexed
         self._start_index(
             num_pages * pb,
             c.lease_ttl_s,
@@ -92,11 +92,8 @@ class CpuTier(IndexedTier[CpuEntry]):
             return None
         h = entry.header
         try:
-            dst = (
-                out_view(out, h.payload_raw_nbytes)
-                if out is not None and h.codec == "none"
-                else None
-            )
+            raw = out is not None and h.codec == "none"
+            dst = out_view(out, h.payload_raw_nbytes) if raw else None
             if dst is None:
                 return self._copy(entry), h.nbytes
             for i, (off, n) in enumerate(h.layers):  # check each layer while it is in cache
@@ -113,6 +110,11 @@ class CpuTier(IndexedTier[CpuEntry]):
         """key's payload as views of the tier's pages, no copy, held until released
         (storage_backends.page_views); None on a miss or for a compressed segment."""
         return open_views(self, check_namespace(ns), check_key(key))
+
+    def land(self, key: bytes, ns: str, header: SegmentHeader) -> Landing | None:
+        """Where header's encoded segment is received into the tier's pages, taken as it arrives,
+        then committed or aborted (storage_backends.page_landing); None when it cannot land."""
+        return land(self, check_namespace(ns), check_key(key), header, CpuEntry)
 
     def _copy(self, entry: CpuEntry) -> KVSegment:
         """A verified copy of the whole encoded segment, owned by the caller."""
@@ -246,9 +248,10 @@ class CpuTier(IndexedTier[CpuEntry]):
 
     def _check_entries(self) -> None:
         """The allocator agrees with the index: no overlap, no leak; each segment fits its pages."""
-        self.pages.check_integrity(e.pages for e in [*self.index.values(), *self.kept])
-        kept = sum(self._entry_bytes(e) for e in self.kept)
-        invariant(kept <= self.reserved_bytes, "pages kept for readers not reserved")
+        held = [*self.index.values(), *self.kept, *self.landing]
+        self.pages.check_integrity(e.pages for e in held)
+        kept = sum(self._entry_bytes(e) for e in [*self.kept, *self.landing])
+        invariant(kept == self.reserved_bytes, "pages kept or landing but not reserved")
         for e in self.index.values():
             invariant(
                 len(e.pages) * self.page_bytes >= e.header.nbytes, "segment larger than its pages"
@@ -257,5 +260,7 @@ class CpuTier(IndexedTier[CpuEntry]):
     async def close(self) -> None:
         self.index.clear()
         self.counts.clear()
+        self.reserved_bytes -= sum(self._entry_bytes(e) for e in self.landing)
+        self.landing.clear()  # their Landings end as no-ops
         self.used_bytes = 0
         self.pages = PageAllocator(self.pages.num_pages)

@@ -80,6 +80,12 @@ class TieredStore(Tier):
             ok = self._writes.put(Job(ns, key, src, 0, list(range(1, len(self.tiers))))) or ok
         return ok
 
+    def landed(self, key: bytes, ns: str) -> None:
+        """A segment committed straight into tiers[0] (storage_backends.page_landing): queued
+        for the slower tiers as a put's is, read back from tiers[0] when its turn comes."""
+        if len(self.tiers) > 1:
+            self._writes.put(Job(ns, key, None, 0, list(range(1, len(self.tiers)))))
+
     async def get(self, key: bytes, ns: str = DEFAULT_NAMESPACE, out=None) -> KVSegment | None:
         return (await self.get_from(key, ns, out))[0]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tierkv.cacheserver.auth import Auth
 from tierkv.cacheserver.dataplane import server_ops as ops
+from tierkv.cacheserver.dataplane import server_put
 from tierkv.cacheserver.dataplane.conn import Conn
 from tierkv.cacheserver.dataplane.protocol import (
     BAD_REQUEST,
@@ -137,7 +138,7 @@ class DataPlane:
                         self.store, self.counts, conn, session, count, body, self.inflight
                     )
                 elif op == PUT and count == 1:
-                    reply = await ops.put(
+                    reply = await server_put.put(
                         self.store,
                         self.counts,
                         conn,

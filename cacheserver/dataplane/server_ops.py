@@ -4,13 +4,10 @@ GET into the session's region, GET with the payloads inline (TCP), STREAM, and P
 GET into a region copies each payload once, from the tier holding it (a cpu-tier hit is read
 straight into the region); inline, a cpu-tier hit is sent from the tier's own pages, held while
 it is sent (storage_backends.page_views), and any other from the segment the store returned.
-PUT receives the encoded bytes straight into one buffer, taken from the in-flight budget as
-they arrive, and stores them only once the whole segment checks out."""
+PUT is cacheserver.dataplane.server_put."""
 
 from __future__ import annotations
 
-import asyncio
-import struct
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,19 +21,15 @@ from tierkv.cacheserver.dataplane.protocol import (
     MAX_KEYS,
     OK,
     REPLY,
-    buffer,
     pack,
 )
 from tierkv.cacheserver.dataplane.region import RangeAllocator, Region
 from tierkv.cacheserver.dataplane.stream_server import Outbound
-from tierkv.cacheserver.frames import BadRequest
 from tierkv.cacheserver.receive import Inflight
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.cpu_tier import CpuTier
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.names import KEY_NBYTES
-from tierkv.storage_backends.segment import KVSegment, SegmentError
-from tierkv.storage_backends.sizes import MiB
 from tierkv.storage_backends.store import TieredStore
 
 
@@ -161,47 +154,6 @@ async def stream(
     served = dict(out.done)
     for i, tier in enumerate(where):
         counts.count_get(s.ns, tier if i in served else "", served.get(i, 0))
-
-
-async def put(
-    store: TieredStore,
-    counts: Counts,
-    conn: Conn,
-    s: Session,
-    body: bytes,
-    max_segment_bytes: int,
-    inflight: Inflight,
-) -> bytes:
-    """Receive one PUT's encoded segment, check it whole, store it; the reply."""
-    if len(body) != KEY_NBYTES + 8:
-        raise Refused(f"PUT body of {len(body)} bytes: expected a key and a length")
-    key, (total,) = body[:KEY_NBYTES], struct.unpack("<Q", body[KEY_NBYTES:])
-    if not 0 < total <= max_segment_bytes:
-        raise Refused(f"PUT of {total} bytes; max_segment_bytes is {max_segment_bytes}")
-    # Virtual memory only: pages become resident as bytes arrive, each step under the budget.
-    buf = buffer(total)
-    taken = 0
-    try:
-        while taken < total:
-            step = min(MiB, total - taken)
-            try:
-                inflight.take(step)
-            except BadRequest as e:
-                raise Busy(e.message) from None
-            taken += step
-            await conn.recv_into(buf[taken - step : taken])
-        try:
-            seg = KVSegment.decode(buf, verify=True)
-        except SegmentError as e:
-            raise Refused(f"malformed segment: {e}") from None
-        if seg.key != key:
-            raise Refused("the segment's own key differs from the PUT's key")
-        seg.owned = True  # the buffer is this segment's alone: the store keeps it
-        stored = await asyncio.shield(store.put(key, seg, s.ns))
-        counts.count_put(s.ns, total)
-    finally:
-        inflight.give(taken)
-    return pack(OK, int(bool(stored)))
 
 
 def keys_of(count: int, body: bytes) -> list[bytes]:
