@@ -1,19 +1,23 @@
-"""tierkv-server's TCP data port (the path of every cross-host load) against raw loopback TCP
-and LMCache's lm:// server moving the same bytes: `python -m bench.tcp_port [--quick]`.
+"""tierkv-server's data paths against raw loopback TCP, LMCache's lm:// server and Redis
+moving the same bytes: `python -m bench.tcp_port [--quick]`.
 
-Get and put of 1, 4 and 32 MiB segments (the bench model's KV layout) by one client, a STREAM
-of each (the connector's load; the raw TCP and LMCache columns there repeat their gets), and
-one STREAM of 64 keys of 256 KiB against 64 LMCache gets, in alternating rounds (12, or 3 with
---quick): each round times raw TCP, LMCache 0.5.6's `lmcache_server` (driven by
+Put and get of 1, 4 and 32 MiB segments (the bench model's KV layout) by one client, a STREAM
+of each (the connector's load; the baselines repeat their gets there), and one STREAM of 64
+keys of 256 KiB against 64 gets, in alternating rounds (12, or 3 with --quick, after one
+warm-up round): each round times raw TCP, LMCache 0.5.6's `lmcache_server` (driven by
 bench/lmcache_driver.py with its own protocol, in `.venv-lmcache`, made by `make
-setup-lmcache` when missing), tierkv's TCP port and its shared-memory path, each the median of
-3 transfers; the table gives GB/s as the median over rounds and ratios taken within each round.
-Every server is a real process on loopback.
+setup-lmcache` when missing), redis-py against Redis, and tierkv-server over gRPC, shared
+memory and its TCP data port, 3 transfers each. Every client keeps one connection for the
+whole run, as a connector keeps its session, and checks the bytes it gets back once per size.
+A put's time is a batch of 3 over 3 (LMCache's PUT has no reply); a get's is the median of 3.
+The table gives GB/s as the median over rounds, and ratios taken within each round. Every
+server is a real process on loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import statistics
 import subprocess
@@ -23,12 +27,23 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.common import goal, parser, print_table, write_results
-from bench.server import bench_stream, bench_tcp, bench_tierkv, make_segment, tcp_server
-from tierkv.cacheserver.launch import ServerProcess, free_port, wait_port
+from bench.server import make_segment
+from bench.wire_clients import Raw, Redis, Tierkv
+from tierkv.cacheserver.launch import RedisProcess, ServerProcess, free_port, wait_port
+from tierkv.storage_backends.segment import KVSegment
 
 SIZES = [1, 4, 32]  # MiB
 MANY = "64 x 0.25"  # one STREAM of 64 keys of 256 KiB (a request's chunks); 64 gets elsewhere
-PATHS = (("tierkv TCP port", "tcp"), ("tierkv shared memory", "shm"))
+PATHS = (("tierkv gRPC", "grpc"), ("tierkv shared memory", "shm"), ("tierkv TCP port", "tcp"))
+BASELINES = ("raw TCP", "LMCache lm://", "Redis")
+COLUMNS = {  # the table's GB/s columns
+    "raw TCP": "raw_tcp_gbps",
+    "LMCache lm://": "lmcache_gbps",
+    "Redis": "redis_gbps",
+    "tierkv gRPC": "grpc_gbps",
+    "tierkv shared memory": "shared_memory_gbps",
+    "tierkv TCP port": "tcp_port_gbps",
+}
 ROOT = Path(__file__).resolve().parent.parent
 LMC = ROOT / ".venv-lmcache" / "bin"
 
@@ -57,8 +72,9 @@ class LMCache:
             text=True,
         )
 
-    def round(self, nbytes: int, reps: int) -> tuple[float, float]:
-        """(seconds per put, median seconds per get) of `reps` values of nbytes."""
+    def round(self, seg: KVSegment, reps: int) -> tuple[float, float]:
+        """(seconds per put, median seconds per get) of `reps` values of seg's size."""
+        nbytes = seg.nbytes
         assert self.driver.stdin is not None and self.driver.stdout is not None
         self.driver.stdin.write(f"ROUND {nbytes} {reps}\n")
         self.driver.stdin.flush()
@@ -78,48 +94,47 @@ async def main() -> None:
     args = parser(__doc__ or "").parse_args()
     rounds = 3 if args.quick else 12
     server = ServerProcess(args=["--cpu-bytes", "1GiB", "--disk-bytes", "0"]).start()
+    redis = RedisProcess().start()
     segs = {mib: make_segment(mib, seed=mib) for mib in SIZES}
-    raw = {mib: tcp_server(segs[mib].nbytes) for mib in SIZES}
     small = make_segment(0.25, seed=99)
-    raw_small = tcp_server(small.nbytes)
     lmc = LMCache()
-    got: dict[tuple[str, str, int], list[float]] = {}
+    raw = Raw([*(s.nbytes for s in segs.values()), small.nbytes])
+    tierkv = {name: Tierkv(server.target, how) for name, how in PATHS}
+    clients: dict[str, Any] = {
+        "raw TCP": raw,
+        "LMCache lm://": lmc,
+        "Redis": Redis(redis.url),
+        **tierkv,
+    }
+    got: dict[tuple[str, str, float | str], list[float]] = {}
     try:
-        for _ in tqdm(range(rounds), desc="rounds", unit="round"):
+        for r in tqdm(range(rounds + 1), desc="rounds (the first a warm-up)", unit="round"):
+
+            def add(name: str, op: str, mib: float | str, gbps: float) -> None:
+                if r:  # round 0 warms every connection up
+                    got.setdefault((name, op, mib), []).append(gbps)
+
             for mib in SIZES:
                 n = segs[mib].nbytes
-                t = {"raw TCP": bench_tcp(raw[mib][1], n, 1, 3)}
-                t["LMCache lm://"] = lmc.round(n, 3)
-                t["tierkv TCP port"] = await bench_tierkv(
-                    server.target, {0: segs[mib]}, 1, 3, "tcp"
-                )
-                t["tierkv shared memory"] = await bench_tierkv(
-                    server.target, {0: segs[mib]}, 1, 3, "shm"
-                )
-                for path, (put_s, get_s) in t.items():
-                    got.setdefault((path, "put", mib), []).append(n / put_s / 1e9)
-                    got.setdefault((path, "get", mib), []).append(n / get_s / 1e9)
-                # the connector's load: one STREAM of the key, against the same round's gets
-                for path, how in PATHS:
-                    secs = await bench_stream(server.target, segs[mib], 1, 3, how)
-                    got.setdefault((path, "stream", mib), []).append(n / secs / 1e9)
-                for path in ("raw TCP", "LMCache lm://"):
-                    got.setdefault((path, "stream", mib), []).append(got[(path, "get", mib)][-1])
+                for name, c in clients.items():
+                    put_s, get_s = await _maybe(c.round(segs[mib], 3))
+                    add(name, "put", mib, n / put_s / 1e9)
+                    add(name, "get", mib, n / get_s / 1e9)
+                    if name in BASELINES:  # their "stream" of one key is a get
+                        add(name, "stream", mib, n / get_s / 1e9)
+                for name, c in tierkv.items():  # the connector's load: one STREAM of the key
+                    add(name, "stream", mib, n / await c.stream(segs[mib], 1, 3) / 1e9)
             m = small.nbytes
-            one = {
-                "raw TCP": bench_tcp(raw_small[1], m, 1, 3)[1],
-                "LMCache lm://": lmc.round(m, 64)[1],
-            }
-            for path, secs in one.items():
-                got.setdefault((path, "stream", MANY), []).append(m / secs / 1e9)
-            for path, how in PATHS:
-                secs = await bench_stream(server.target, small, 64, 3, how)
-                got.setdefault((path, "stream", MANY), []).append(64 * m / secs / 1e9)
+            for name in BASELINES:  # 64 gets of 256 KiB against one STREAM of 64 keys
+                get_s = (await _maybe(clients[name].round(small, 64)))[1]
+                add(name, "stream", MANY, m / get_s / 1e9)
+            for name, c in tierkv.items():
+                add(name, "stream", MANY, 64 * m / await c.stream(small, 64, 3) / 1e9)
     finally:
+        for c in clients.values():
+            await _maybe(c.close())
         server.stop(kill=True)
-        lmc.close()
-        for proc, _ in [*raw.values(), raw_small]:
-            proc.kill()
+        redis.stop()
     rows: list[dict[str, Any]] = []
 
     def ratio(a: list[float], b: list[float]) -> float:
@@ -127,21 +142,14 @@ async def main() -> None:
 
     for op, sizes in (("get", SIZES), ("put", SIZES), ("stream", [*SIZES, MANY])):
         for mib in sizes:
-            base, lm = got[("raw TCP", op, mib)], got[("LMCache lm://", op, mib)]
+            row: dict[str, Any] = {"op": op, "mib": mib}
+            for name, col in COLUMNS.items():
+                row[col] = round(statistics.median(got[(name, op, mib)]), 3)
             tcp, shm = got[("tierkv TCP port", op, mib)], got[("tierkv shared memory", op, mib)]
-            rows.append(
-                {
-                    "op": op,
-                    "mib": mib,
-                    "raw_tcp_gbps": round(statistics.median(base), 3),
-                    "lmcache_gbps": round(statistics.median(lm), 3),
-                    "tcp_port_gbps": round(statistics.median(tcp), 3),
-                    "shared_memory_gbps": round(statistics.median(shm), 3),
-                    "tcp_port_vs_raw": ratio(tcp, base),
-                    "tcp_port_vs_lmcache": ratio(tcp, lm),
-                    "shared_memory_vs_lmcache": ratio(shm, lm),
-                }
-            )
+            row["tcp_port_vs_raw"] = ratio(tcp, got[("raw TCP", op, mib)])
+            row["tcp_port_vs_lmcache"] = ratio(tcp, got[("LMCache lm://", op, mib)])
+            row["shared_memory_vs_lmcache"] = ratio(shm, got[("LMCache lm://", op, mib)])
+            rows.append(row)
     print_table(rows)
     goals = []
     for r in rows:
@@ -172,6 +180,8 @@ async def main() -> None:
             for col, label in (
                 ("raw_tcp_gbps", "raw TCP"),
                 ("lmcache_gbps", "LMCache lm://"),
+                ("redis_gbps", "Redis"),
+                ("shared_memory_gbps", "shared memory"),
                 ("tcp_port_gbps", "TCP port"),
             ):
                 pts = [(r["mib"], r[col]) for r in rows if r["op"] == op and r["mib"] != MANY]
@@ -186,9 +196,16 @@ async def main() -> None:
         "transfers_per_round": 3,
         "sizes_mib": SIZES,
         "clients": 1,
+        "connections": "one per client for the whole run (a connector's session)",
+        "put_seconds": "a batch of 3 puts over 3 (LMCache's PUT has no reply)",
         "lmcache": "lmcache==0.5.6, lmcache_server (lm://), cpu",
     }
     write_results("tcp_port", config, rows, goals, plot)
+
+
+async def _maybe(x: Any) -> Any:
+    """x, awaited when it is awaitable (LMCache's driver and the raw sockets are blocking)."""
+    return await x if inspect.isawaitable(x) else x
 
 
 if __name__ == "__main__":

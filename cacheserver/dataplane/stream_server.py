@@ -94,16 +94,10 @@ class Outbound:
         await self._send(out)
 
     async def _send(self, parts: list[bytes | memoryview]) -> None:
-        small = b""
-        for part in parts:  # frames joined; each inline layer sent from its own buffer
-            if isinstance(part, bytes):
-                small += part
-                continue
-            await self.conn.sendall(small)
-            await self.conn.sendall(part)
-            small = b""
-        if small:
-            await self.conn.sendall(small)
+        """A layer's frames, and each inline layer from its own buffer, in one scatter-gather
+        send (a few sendmsg calls for the whole layer, not two per key)."""
+        if parts:
+            await self.conn.send_views([memoryview(p) for p in parts])
 
     def close(self) -> None:
         self.inflight.give(self.taken)
