@@ -100,7 +100,8 @@ def _graph(obj: Any, where: str) -> StepGraph:
     steps = obj.get("steps")
     if not isinstance(steps, list) or not 0 < len(steps) <= MAX_STEPS:
         raise HintError(f"{where}.steps", f"must be a list of 1 to {MAX_STEPS} steps")
-    out, agents = [], set()
+    out: list[tuple[str, ...]] = []
+    agents: set[str] = set()
     for i, step in enumerate(steps):
         if not isinstance(step, list) or not step:
             raise HintError(f"{where}.steps[{i}]", "must be a non-empty list of agents")
