@@ -17,11 +17,12 @@ tier config's `eviction` and `quotas` knobs (`make_policy`):
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tierkv.storage_backends.hint_book import HintBook
+from tierkv.storage_backends.hints import NEVER
 from tierkv.storage_backends.sizes import parse_size
 
 Ident = tuple[str, bytes]  # (namespace, key)
@@ -52,17 +53,17 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def order(
-        self, tier: PolicyTier, candidates: Sequence[Candidate], ns: str, n: int
+        self, tier: PolicyTier, candidates: Iterable[Candidate], ns: str, n: int
     ) -> Iterator[Candidate]:
         """candidates (LRU order, oldest first) in the order to evict them, for a put of n
-        bytes into namespace ns."""
+        bytes into namespace ns. Both are lazy: the tier stops reading once the put fits."""
 
 
 class LruPolicy(EvictionPolicy):
     name = "lru"
 
     def order(
-        self, tier: PolicyTier, candidates: Sequence[Candidate], ns: str, n: int
+        self, tier: PolicyTier, candidates: Iterable[Candidate], ns: str, n: int
     ) -> Iterator[Candidate]:
         return iter(candidates)
 
@@ -73,12 +74,21 @@ class HintedPolicy(EvictionPolicy):
     name = "hinted"
 
     def order(
-        self, tier: PolicyTier, candidates: Sequence[Candidate], ns: str, n: int
+        self, tier: PolicyTier, candidates: Iterable[Candidate], ns: str, n: int
     ) -> Iterator[Candidate]:
-        ranks = [tier.hints.rank(i[0], i[1]) for i, _ in candidates]
-        # a stable sort on -rank keeps the LRU order among equal ranks
-        pos = sorted(range(len(candidates)), key=lambda j: -ranks[j])
-        return (candidates[j] for j in pos)
+        # Entries with no live hint (rank NEVER, the most) go first in LRU order, read lazily
+        # (an unhinted tier costs what LRU costs); the rest by rank, a stable sort keeping the
+        # LRU order among equal ranks.
+        rest: list[tuple[float, Candidate]] = []
+        for c in candidates:
+            r = tier.hints.rank(c[0][0], c[0][1])
+            if r == NEVER:
+                yield c
+            else:
+                rest.append((-r, c))
+        rest.sort(key=lambda rc: rc[0])
+        for _, c in rest:
+            yield c
 
 
 @dataclass(slots=True)
@@ -94,7 +104,7 @@ class QuotaPolicy(EvictionPolicy):
         return self.shares.get(ns, self.shares.get(ANY_NS, 0))
 
     def order(
-        self, tier: PolicyTier, candidates: Sequence[Candidate], ns: str, n: int
+        self, tier: PolicyTier, candidates: Iterable[Candidate], ns: str, n: int
     ) -> Iterator[Candidate]:
         inner = list(self.inner.order(tier, candidates, ns, n))
         left = dict(tier.ns_bytes)

@@ -123,11 +123,11 @@ class IndexedTier(BaseTier, Generic[E]):
         free = self.capacity_bytes - self.used_bytes - self.reserved_bytes
         if free >= n:
             return True
-        cands = [
+        cands = (  # lazy: the LRU order reads only as far as it evicts
             (ident, self._entry_bytes(entry))
             for ident, entry in self.index.items()
             if not self.leases.held(*ident) and not self._in_use(entry)
-        ]
+        )
         victims = []
         for ident, nbytes in self.policy.order(self, cands, ns, n):
             if free >= n:
