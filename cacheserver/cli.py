@@ -96,7 +96,7 @@ async def _health(args: argparse.Namespace) -> int:
     """Exit 0 when the server answers SERVING (container health checks)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tierkv.cacheserver.client import channel
+    from tierkv.cacheserver.channel import channel
 
     async with channel(args.target, args.tls_ca) as ch:
         try:

@@ -15,7 +15,6 @@ the `ns` arguments are checked for form and otherwise left to the server.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import (
@@ -34,10 +33,12 @@ import grpc
 from tierkv.cacheserver import wire
 from tierkv.cacheserver.auth import bearer
 from tierkv.cacheserver.batch import Batcher
-from tierkv.cacheserver.frames import Assembly, put_wire
+from tierkv.cacheserver.channel import Connection
+from tierkv.cacheserver.frames import Assembly, assemble_many, put_wire
+from tierkv.cacheserver.hint_call import hint_requests
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
-from tierkv.storage_backends.hints import KVHint, hint_json
+from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
 from tierkv.storage_backends.sizes import MiB
@@ -47,60 +48,6 @@ from tierkv.storage_backends.tier import BaseTier, SegmentLayer
 log = logging.getLogger("tierkv.remote")
 LOOKUP_BATCH = 1024  # keys per Lookup call in contains()
 T = TypeVar("T")
-
-
-def channel(
-    target: str, tls_ca: str | bytes | None = None, frame_bytes: int = MiB
-) -> grpc.aio.Channel:
-    """An aio channel to target; TLS when tls_ca (PEM path or bytes) is given."""
-    limit = frame_bytes + 128 * 1024
-    opts = [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        ("grpc.http2.max_frame_size", (1 << 24) - 1),  # a 1 MiB message in one HTTP/2 frame
-        # gRPC's reconnect backoff grows to 120 s by default: after a long outage a client
-        # would miss for seconds after the server is back. Retry the connection every <= 1 s.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
-    if tls_ca is None:
-        return grpc.aio.insecure_channel(target, options=opts)
-    pem = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
-    return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(pem), options=opts)
-
-
-@dataclass(slots=True)
-class _Connection:
-    """One channel and the calls made on it."""
-
-    channel: grpc.aio.Channel
-    stub: pb_grpc.TierKVStub
-    put: grpc.aio.StreamUnaryMultiCallable
-    get: grpc.aio.UnaryStreamMultiCallable
-    get_many: grpc.aio.UnaryStreamMultiCallable
-
-    @staticmethod
-    def open(target: str, tls_ca: str | bytes | None, frame_bytes: int) -> _Connection:
-        ch = channel(target, tls_ca, frame_bytes)
-        # Payload frames go out pre-serialized and are read in place (cacheserver.wire): one
-        # copy of the payload each way, not three.
-        put = ch.stream_unary(
-            "/tierkv.v1.TierKV/Put",
-            request_serializer=wire.identity,
-            response_deserializer=pb.PutResponse.FromString,
-        )
-        get = ch.unary_stream(
-            "/tierkv.v1.TierKV/Get",
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=wire.parse_frame,
-        )
-        get_many = ch.unary_stream(
-            "/tierkv.v1.TierKV/GetMany",
-            request_serializer=pb.GetManyRequest.SerializeToString,
-            response_deserializer=wire.parse_frame,
-        )
-        return _Connection(ch, pb_grpc.TierKVStub(ch), put, get, get_many)
 
 
 @dataclass(slots=True, eq=False)
@@ -114,7 +61,7 @@ class RemoteTier(BaseTier):
     frame_bytes: int = MiB  # payload frame size of puts
     max_segment_bytes: int = 1 << 30  # largest segment accepted from the server
     name: str = "remote"
-    _conn: _Connection | None = None
+    _conn: Connection | None = None
     _gets: Batcher[tuple[bytes, Any], tuple[KVSegment, int] | None] | None = None
     _last_log: float = -1e9
 
@@ -122,9 +69,9 @@ class RemoteTier(BaseTier):
         self._start_stats(device="grpc")
 
     @property
-    def conn(self) -> _Connection:
+    def conn(self) -> Connection:
         if self._conn is None:  # made on first use, inside the caller's event loop
-            self._conn = _Connection.open(self.target, self.tls_ca, self.frame_bytes)
+            self._conn = Connection.open(self.target, self.tls_ca, self.frame_bytes)
         return self._conn
 
     @property
@@ -185,17 +132,9 @@ class RemoteTier(BaseTier):
         its fastest tier in the background. Counts summed over batches; None when a call
         failed (hints are advice: nothing else happens)."""
         ks = [check_key(k) for k in keys]
-        doc = "" if hint is None else json.dumps(hint_json(hint), separators=(",", ":"))
         total = pb.HintResponse()
-        for i in range(0, len(ks), LOOKUP_BATCH):
-            r = await self._hint_batch(
-                pb.HintRequest(
-                    hint_json=doc,
-                    keys=ks[i : i + LOOKUP_BATCH],
-                    pin_ttl_s=pin_ttl_s,
-                    prefetch=prefetch,
-                )
-            )
+        for req in hint_requests(ks, hint, pin_ttl_s, prefetch, LOOKUP_BATCH):
+            r = await self._hint_batch(req)
             if r is None:
                 return None
             total.tagged += r.tagged
@@ -226,18 +165,8 @@ class RemoteTier(BaseTier):
         req = pb.GetManyRequest(keys=[k for k, _ in batch])
 
         async def run() -> list[Assembly | None]:
-            asms: list[Assembly | None] = [None] * len(batch)
-            async for f in self.conn.get_many(req, **self._opts()):
-                if f.index >= len(batch):
-                    raise SegmentError(f"server answered key index {f.index} of {len(batch)}")
-                i, asm = f.index, asms[f.index]
-                if f.kind == pb.SegmentFrame.MISS:
-                    asms[i] = None
-                elif asm is None:  # frames land in the caller's `out` when they can
-                    asms[i] = Assembly.start(f, self.max_segment_bytes, out=batch[i][1])
-                else:
-                    asm.add(f)
-            return asms
+            frames = self.conn.get_many(req, **self._opts())
+            return await assemble_many(frames, [out for _, out in batch], self.max_segment_bytes)
 
         asms = await self._retry("get", run)
         out: list[tuple[KVSegment, int] | None | Exception] = []

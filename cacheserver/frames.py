@@ -8,8 +8,9 @@ no join of payloads, and nothing is handed on before the whole thing checks out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -186,3 +187,22 @@ class Assembly:
         seg = KVSegment.of_header(h, payload)
         seg.verified = True  # every layer was checked above
         return seg
+
+
+async def assemble_many(
+    frames: AsyncIterable[wire.SegmentFrame], outs: Sequence[Any], max_bytes: int
+) -> list[Assembly | None]:
+    """A GetMany stream's segments, each key's frames landing in its `out` where they can;
+    None for a key the server missed."""
+    asms: list[Assembly | None] = [None] * len(outs)
+    async for f in frames:
+        if f.index >= len(outs):
+            raise SegmentError(f"server answered key index {f.index} of {len(outs)}")
+        i, asm = f.index, asms[f.index]
+        if f.kind == pb.SegmentFrame.MISS:
+            asms[i] = None
+        elif asm is None:  # frames land in the caller's `out` when they can
+            asms[i] = Assembly.start(f, max_bytes, out=outs[i])
+        else:
+            asm.add(f)
+    return asms

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tierkv.cacheserver.frames import check_known, invalid
 from tierkv.proto import tierkv_pb2 as pb
-from tierkv.storage_backends.hints import HintError, KVHint, parse_hint
+from tierkv.storage_backends.hints import HintError, KVHint, hint_json, parse_hint
 from tierkv.storage_backends.names import KEY_NBYTES
 
 MAX_HINT_JSON = 64 * 1024  # bytes of hint_json; a graph of MAX_STEPS short steps fits
@@ -50,3 +51,14 @@ def check_hint(request: pb.HintRequest, max_keys: int, max_pin_s: float) -> Hint
         except (ValueError, RecursionError):
             raise invalid("hint_json: not valid JSON") from None
     return HintCall(list(request.keys), hint, ttl, request.prefetch)
+
+
+def hint_requests(
+    keys: list[bytes], hint: KVHint | None, pin_ttl_s: float, prefetch: bool, batch: int
+) -> Iterator[pb.HintRequest]:
+    """The client's side: the keys' Hint calls, at most `batch` keys each, each with the hint."""
+    doc = "" if hint is None else json.dumps(hint_json(hint), separators=(",", ":"))
+    for i in range(0, len(keys), batch):
+        yield pb.HintRequest(
+            hint_json=doc, keys=keys[i : i + batch], pin_ttl_s=pin_ttl_s, prefetch=prefetch
+        )

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tierkv.cacheserver.auth import bearer
+from tierkv.cacheserver.channel import channel
 from tierkv.cacheserver.cli import build_store
-from tierkv.cacheserver.client import RemoteTier, channel
+from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.server import Server
 from tierkv.proto import tierkv_pb2 as pb
