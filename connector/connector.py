@@ -27,16 +27,17 @@ from tierkv.connector.requests import (
     prefix_chunks,
     record_lookup,
     request_state,
+    segment_keys,
 )
-from tierkv.connector.transfer import EngineKV, Layout
+from tierkv.connector.steps import chunks_to_save, load_plans
+from tierkv.connector.transfer import engine_kv
 from tierkv.connector.worker import WorkerCore
 from tierkv.connector.workflow import Workflows
 from tierkv.engine.blend_step import blending
 from tierkv.engine.kv_connector import ConnectorRequest, ConnectorStep, KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding
 from tierkv.storage_backends.hints import KVHint
-from tierkv.storage_backends.keys import ChunkHasher, Salt
-from tierkv.storage_backends.segment import VERSION, dtype_name
+from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
 from tierkv.storage_backends.tier import Tier
 
@@ -96,30 +97,11 @@ class TierKVConnector(KVConnector):
         if self.model_id is None:
             raise RuntimeError("bind_model must be called before register_kv_caches")
         self.caches = kv_caches
-        _, _, block_size, heads, dim = kv_caches[0].shape
-        if self.config.chunk_size % block_size:
-            raise ValueError(
-                f"chunk_size {self.config.chunk_size} is not a multiple of block size {block_size}"
-            )
-        cache_dtype = kv_caches[0].dtype
-        if cache_dtype == FP8 and self.kv_scales is None:
-            raise ValueError("an fp8 engine cache needs its kv_scales in bind_model")
-        store_dtype = FP8 if self.config.kv_dtype == "fp8" else cache_dtype
-        name = dtype_name(store_dtype)
-        if name is None:
-            raise ValueError(f"no segment can hold a {store_dtype} cache")
-        quant = "fp8_e4m3" if store_dtype == FP8 else "none"
-        salt = Salt(
-            model_fingerprint=self.model_id,
-            kv_format=f"tkvs{VERSION}/layer-major/{name}/{quant}",
-            chunk_size=self.config.chunk_size,
-            namespace=self.ns,
+        salt, kv = engine_kv(
+            kv_caches, self.model_id, self.kv_scales, self.rope, self.config, self.ns
         )
         self._hasher = ChunkHasher(salt)
-        layout = Layout(len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, self.rope)
-        self.worker.register(
-            EngineKV(layout, store_dtype, store_dtype == FP8, kv_caches, self.kv_scales)
-        )
+        self.worker.register(kv)
 
     @property
     def hasher(self) -> ChunkHasher:
@@ -135,9 +117,7 @@ class TierKVConnector(KVConnector):
             st = self.states[request.request_id] = request_state(
                 request, self.hasher.salted(request.cache_salt), self.config.save_partial_chunks
             )
-            hint = getattr(request, "kv_hint", None)  # a workflow's advice (storage_backends.hints)
-            if isinstance(hint, KVHint) and st.chunks:
-                self.workflows.advise([c.key for c in st.chunks], hint)
+            self.workflows.advise_request(request, st.chunks)
         return st
 
     def prefetch(
@@ -162,9 +142,7 @@ class TierKVConnector(KVConnector):
     ) -> list[bool]:
         """Whether the store holds each segment's KV, computed standalone or, given prefix, right
         after that declared shared prefix (one batched lookup), under cache_salt's keys."""
-        hasher = self.hasher.salted(cache_salt)
-        after = hasher.prefix_key(np.asarray(prefix, dtype=np.int32)) if prefix else None
-        keys = [hasher.segment_key(np.asarray(t, dtype=np.int32), after) for t in segments]
+        keys = segment_keys(self.hasher.salted(cache_salt), segments, prefix)
         try:
             return self.loop.run(self.store.contains(keys, self.ns), self.config.lookup_timeout_s)
         except Exception as e:
@@ -180,9 +158,8 @@ class TierKVConnector(KVConnector):
             or not (st.prefix_chunks or blend)
             or (self.caches[0].dtype == FP8 and not self.steps)
         ):
-            return (
-                0  # nothing that could load; an fp8 cache takes its scales from its first forward
-            )
+            # nothing that could load; an fp8 cache takes its scales from its first forward
+            return 0
         self.stats.lookups += 1
         try:
             where = self.loop.run(
@@ -209,43 +186,9 @@ class TierKVConnector(KVConnector):
     ) -> None:
         if num_external_tokens <= 0:
             return
-        st = self._state(request)
-        blocks = torch.tensor(block_ids, dtype=torch.int32)
-        blend = blending(request)
-        start, end = (
-            st.exact
-            if blend
-            else (request.num_computed_tokens, request.num_computed_tokens + num_external_tokens)
+        self.pending_loads += load_plans(
+            request, self._state(request), block_ids, num_external_tokens
         )
-        if end > start:  # a prefix run: loaded exactly, where it was computed
-            idx = [
-                i for i, c in enumerate(st.chunks[: st.present]) if c.end > start and c.start < end
-            ]
-            self.pending_loads.append(
-                LoadPlan(
-                    request.request_id,
-                    blocks,
-                    start,
-                    end,
-                    [st.chunks[i] for i in idx],
-                    [st.tiers[i] for i in idx],
-                    st.tokens,
-                )
-            )
-        for c, hit, tier in zip(st.chunks, st.hits if blend else [], st.tiers):
-            if hit:  # a segment: re-rotated from where it was computed to where it is now
-                self.pending_loads.append(
-                    LoadPlan(
-                        request.request_id,
-                        blocks,
-                        c.start,
-                        c.end,
-                        [c],
-                        [tier],
-                        st.tokens,
-                        rotate=True,
-                    )
-                )
 
     def build_connector_meta(self, scheduler_output: ConnectorStep) -> StepMeta:
         meta = StepMeta(self.pending_loads, [])
@@ -257,13 +200,8 @@ class TierKVConnector(KVConnector):
             if start >= seq.num_prompt_tokens or (seq.blend is not None and not seq.blend.ingest):
                 continue  # decoding, or a prompt in parts (its KV may be blended): never stored
             st = self._state(seq)
-            stop, block_ids = start + n, None
-            while st.saved_upto < len(st.chunks) and st.chunks[st.saved_upto].end <= stop:
-                c = st.chunks[st.saved_upto]
-                st.saved_upto += 1
-                if c.index < st.present or c.end <= start:
-                    self.stats.save_skipped += 1  # in the store, or computed before we could see it
-                    continue
+            block_ids = None
+            for c in chunks_to_save(st, start, start + n, self.stats):
                 if block_ids is None:
                     block_ids = torch.tensor(seq.block_table, dtype=torch.int32)
                 plan = self.worker.stage(seq.request_id, block_ids, c, st.tokens[c.start : c.end])

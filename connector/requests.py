@@ -71,6 +71,14 @@ def prefix_chunks(hasher: ChunkHasher, tokens: np.ndarray, partial: bool) -> lis
     ]
 
 
+def segment_keys(
+    hasher: ChunkHasher, segments: list[list[int]], prefix: list[int] | None
+) -> list[bytes]:
+    """Each segment's key, computed standalone or, given prefix, right after that prefix."""
+    after = hasher.prefix_key(np.asarray(prefix, dtype=np.int32)) if prefix else None
+    return [hasher.segment_key(np.asarray(t, dtype=np.int32), after) for t in segments]
+
+
 def record_lookup(st: RequestState, tiers: list[str | None], num_computed: int, blend: bool) -> int:
     """Note in st where the store holds each chunk (tiers: a name, or None for absent); returns
     the tokens the request can load after num_computed: the leading run of prefix chunks (all

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.plan import LoadPlan, SavePlan
-from tierkv.kernels import LayerCache, RotaryEmbedding, gather_kv, rerotate_k, scatter_kv
+from tierkv.kernels import FP8, LayerCache, RotaryEmbedding, gather_kv, rerotate_k, scatter_kv
 from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
-from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.keys import Salt
+from tierkv.storage_backends.segment import VERSION, KVSegment, dtype_name
 
 
 @dataclass(slots=True)
@@ -181,3 +183,35 @@ class EngineKV(PagedKV):
 
     def scatter(self, job: LoadJob, segs: list[list[KVSegment]], layer: int) -> None:
         scatter_layer(job, segs, layer, self.caches, self.kv_scales, self.layout.rope)
+
+
+def engine_kv(
+    kv_caches: list[torch.Tensor],
+    model_id: str,
+    kv_scales: torch.Tensor | None,
+    rope: RotaryEmbedding | None,
+    config: ConnectorConfig,
+    namespace: str,
+) -> tuple[Salt, EngineKV]:
+    """tierkv's engine cache as the worker core sees it, and the salt of its keys (the model,
+    the segment format its KV is stored in, the chunking); refuses a cache it cannot store."""
+    chunk_size = config.chunk_size
+    _, _, block_size, heads, dim = kv_caches[0].shape
+    if chunk_size % block_size:
+        raise ValueError(f"chunk_size {chunk_size} is not a multiple of block size {block_size}")
+    cache_dtype = kv_caches[0].dtype
+    if cache_dtype == FP8 and kv_scales is None:
+        raise ValueError("an fp8 engine cache needs its kv_scales in bind_model")
+    store_dtype = FP8 if config.kv_dtype == "fp8" else cache_dtype
+    name = dtype_name(store_dtype)
+    if name is None:
+        raise ValueError(f"no segment can hold a {store_dtype} cache")
+    quant = "fp8_e4m3" if store_dtype == FP8 else "none"
+    salt = Salt(
+        model_fingerprint=model_id,
+        kv_format=f"tkvs{VERSION}/layer-major/{name}/{quant}",
+        chunk_size=chunk_size,
+        namespace=namespace,
+    )
+    layout = Layout(len(kv_caches), heads, dim, name, salt.fingerprint(), block_size, rope)
+    return salt, EngineKV(layout, store_dtype, store_dtype == FP8, kv_caches, kv_scales)

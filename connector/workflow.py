@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tierkv.connector.loop import LoopThread
+from tierkv.connector.plan import Chunk
 from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.store import TieredStore
 
@@ -42,6 +43,13 @@ class Workflows:
         """A request of hint's agent uses keys: tag them here and on the server."""
         if self._submit(list(keys), hint, False):
             self.stats.hinted += 1
+
+    def advise_request(self, request: object, chunks: Sequence[Chunk]) -> None:
+        """A request that carries a workflow's advice (its kv_hint, storage_backends.hints):
+        its chunk keys are tagged with it."""
+        hint = getattr(request, "kv_hint", None)
+        if isinstance(hint, KVHint) and chunks:
+            self.advise([c.key for c in chunks], hint)
 
     def prefetch(self, keys: Sequence[bytes], hint: KVHint | None) -> None:
         """keys are needed soon: tag them (with hint), ask the server to move them up to its
