@@ -56,3 +56,23 @@ class TierStats:
     num_segments: int = 0
     device: str = ""
     notes: str = ""
+
+
+SUMMED = (
+    "bytes_in",
+    "bytes_out",
+    "evictions",
+    "errors",
+    "puts",
+    "used_bytes",
+    "capacity_bytes",
+    "num_segments",
+)  # the fields a store's stats sum over its tiers; hits and misses are its own
+
+
+def summed(name: str, per: list[TierStats]) -> TierStats:
+    """Stats named name, whose device lists the tiers, with the SUMMED fields of per summed."""
+    total = TierStats(name=name, device="+".join(s.name for s in per))
+    for f in SUMMED:
+        setattr(total, f, sum(getattr(s, f) for s in per))
+    return total

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -13,9 +12,9 @@ from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.leases import LeaseGroup
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace, check_put
 from tierkv.storage_backends.segment import KVSegment
-from tierkv.storage_backends.stats import TierStats
+from tierkv.storage_backends.stats import TierStats, summed
 from tierkv.storage_backends.stream import LayerSink
-from tierkv.storage_backends.stream_merge import Keep, Merge
+from tierkv.storage_backends.stream_merge import merged_stream
 from tierkv.storage_backends.tier import ChangeHook, SegmentLayer, Tier
 from tierkv.storage_backends.workflow import Prefetcher, hint_tiers
 from tierkv.storage_backends.write_queue import Job, WriteQueue
@@ -172,36 +171,8 @@ class TieredStore(Tier):
         layer by layer; the name of the tier asked for each key ("": none). Hits in a slower
         tier are copied once they are whole and queued for promotion."""
         where = await self.locate(keys, ns, guess_last=True)
-        groups: dict[int, list[int]] = {}
-        for i, w in enumerate(where):
-            if w is None:
-                sink.drop(i, "miss")
-            else:
-                groups.setdefault(w, []).append(i)
-        merge = Merge(sink, len(groups))
-        hits = 0
-
-        async def run(j: int, t: int, index: list[int]) -> None:
-            nonlocal hits
-            part = merge.part(j, index)
-            keep = Keep(part)
-            try:
-                await self.tiers[t].stream([keys[i] for i in index], ns, keep)
-            finally:
-                await part.end()
-            hits += len(keep.complete())
-            for k, seg in keep.whole() if self.config.promote and t else []:
-                await self._promote(keys[index[k]], seg, ns, t, None)
-
-        # Every part runs to its end before an error is raised: none may write into the sink's
-        # buffers after this returns.
-        done = await asyncio.gather(
-            *(run(j, t, idx) for j, (t, idx) in enumerate(groups.items())),
-            return_exceptions=True,
-        )
-        errors = [e for e in done if isinstance(e, BaseException)]
-        if errors:
-            raise errors[0]
+        promote = self._promote if self.config.promote else None
+        hits = await merged_stream(self.tiers, where, keys, ns, sink, promote)
         self._stats.hits += hits
         self._stats.misses += len(keys) - hits
         return ["" if w is None else self.tiers[w].name for w in where]
@@ -264,19 +235,7 @@ class TieredStore(Tier):
     def stats(self) -> TierStats:
         """Store hits and misses, and the sums over tiers; store_stats() has each tier and the
         queue."""
-        per = [t.stats() for t in self.tiers]
-        total = TierStats(name=self.name, device="+".join(s.name for s in per))
-        for f in (
-            "bytes_in",
-            "bytes_out",
-            "evictions",
-            "errors",
-            "puts",
-            "used_bytes",
-            "capacity_bytes",
-            "num_segments",
-        ):
-            setattr(total, f, sum(getattr(s, f) for s in per))
+        total = summed(self.name, [t.stats() for t in self.tiers])
         total.hits, total.misses = self._stats.hits, self._stats.misses
         return total
 

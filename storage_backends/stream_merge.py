@@ -1,4 +1,5 @@
-"""One stream out of several tiers' streams (Merge), and what a store promotes from it (Keep).
+"""One stream out of several tiers' streams (Merge, merged_stream), and what a store promotes
+from it (Keep).
 
 A tiered store streams each key from the fastest tier holding it, every tier's share at once;
 Merge makes layer l ready to the reader once every tier's part has reached it.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +19,9 @@ from tierkv.storage_backends.copies import copied
 from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.stream import LayerSink, reader_checks
+
+if TYPE_CHECKING:
+    from tierkv.storage_backends.tier import Tier
 
 
 @dataclass(slots=True, eq=False)
@@ -141,3 +147,48 @@ class Keep:
             seg.owned = True
             out.append((i, seg))
         return out
+
+
+async def merged_stream(
+    tiers: Sequence[Tier],
+    where: list[int | None],
+    keys: Sequence[bytes],
+    ns: str,
+    sink: LayerSink,
+    promote: Callable[[bytes, KVSegment, str, int, None], Awaitable[None]] | None,
+) -> int:
+    """Each key streamed from tiers[where[i]] (None: dropped as a miss), every tier's share at
+    once, merged layer by layer into sink; with promote, each whole hit of a slower tier goes
+    to promote(key, segment, ns, tier index, None). Returns how many keys arrived complete."""
+    groups: dict[int, list[int]] = {}
+    for i, w in enumerate(where):
+        if w is None:
+            sink.drop(i, "miss")
+        else:
+            groups.setdefault(w, []).append(i)
+    merge = Merge(sink, len(groups))
+    hits = 0
+
+    async def run(j: int, t: int, index: list[int]) -> None:
+        nonlocal hits
+        part = merge.part(j, index)
+        keep = Keep(part)
+        try:
+            await tiers[t].stream([keys[i] for i in index], ns, keep)
+        finally:
+            await part.end()
+        hits += len(keep.complete())
+        if promote is not None and t:
+            for k, seg in keep.whole():
+                await promote(keys[index[k]], seg, ns, t, None)
+
+    # Every part runs to its end before an error is raised: none may write into the sink's
+    # buffers after this returns.
+    done = await asyncio.gather(
+        *(run(j, t, idx) for j, (t, idx) in enumerate(groups.items())),
+        return_exceptions=True,
+    )
+    errors = [e for e in done if isinstance(e, BaseException)]
+    if errors:
+        raise errors[0]
+    return hits
