@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_namespace
+from tierkv.storage_backends.redis_connect import connect
 from tierkv.storage_backends.redis_stream import stream_values
 from tierkv.storage_backends.segment import (
     PREFIX_NBYTES,
@@ -92,28 +91,7 @@ class RedisTier(BaseTier):
     on_evict: None = None  # Redis evicts by itself (TTL, maxmemory); nothing to demote to
 
     def __post_init__(self) -> None:
-        c = self.config
-        url, cluster = c.url, c.cluster
-        if url.startswith("redis+cluster://"):
-            url, cluster = "redis://" + url[len("redis+cluster://") :], True
-        opts: dict[str, Any] = dict(socket_timeout=c.timeout_s, socket_connect_timeout=c.timeout_s)
-        if c.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {c.max_connections}")
-        if cluster:
-            url, more = startup_nodes(url)
-            self.client = RedisCluster.from_url(
-                url, startup_nodes=more or None, max_connections=c.max_connections, **opts
-            )
-        else:
-            # No client-side retries: the tier's own backoff decides when to try again.
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=c.max_connections,
-                timeout=c.timeout_s,
-                retry=Retry(NoBackoff(), 0),
-                **opts,
-            )
-            self.client = aioredis.Redis.from_pool(pool)  # closes the pool when closed
+        self.client, cluster = connect(self.config)
         self._start_stats(device="redis-cluster" if cluster else "redis")
 
     def _name(self, ns: str, key: bytes) -> str:
@@ -274,19 +252,3 @@ class RedisTier(BaseTier):
             await self.client.aclose()
         except (RedisError, OSError):
             pass
-
-
-def startup_nodes(url: str) -> tuple[str, list[ClusterNode]]:
-    """A cluster URL with several hosts (`redis://h1:p1,h2:p2/0`) as the URL of its first host
-    and the others as startup nodes."""
-    scheme, rest = url.split("://", 1)
-    netloc, _, path = rest.partition("/")
-    auth, _, hosts = netloc.rpartition("@")
-    first, *more = hosts.split(",")
-    nodes = []
-    for h in more:
-        host, _, port = h.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"bad cluster node {h!r} in the Redis URL (host:port expected)")
-        nodes.append(ClusterNode(host, int(port)))
-    return f"{scheme}://{auth + '@' if auth else ''}{first}/{path}", nodes
