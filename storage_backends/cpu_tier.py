@@ -10,6 +10,7 @@ import torch
 
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.cpu_stream import stream_pages
 from tierkv.storage_backends.eviction import make_policy
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.invariants import InvariantError, invariant
@@ -23,10 +24,9 @@ from tierkv.storage_backends.segment import (
     SegmentHeader,
     checksum,
     decode_layer,
-    decode_layer_bytes,
 )
 from tierkv.storage_backends.sizes import parse_size
-from tierkv.storage_backends.stream import LayerSink, open_all, reader_checks
+from tierkv.storage_backends.stream import LayerSink
 from tierkv.storage_backends.tier import SegmentLayer
 
 
@@ -138,58 +138,8 @@ class CpuTier(IndexedTier[CpuEntry]):
     async def stream(self, keys: Sequence[bytes], ns: str, sink: LayerSink) -> None:
         """Layer-major, each layer gathered from the pages straight into the sink's buffer and
         checked there, unless the reader checks it next (`reader_checks`) and verify_gets is
-        off."""
-        check_namespace(ns)
-        entries = [self.index.get((ns, check_key(k))) for k in keys]
-        self._stats.misses += entries.count(None)
-        live = open_all(sink, ["miss" if e is None else e.header for e in entries])
-        holds = [self.lease(keys[i], ns) for i in live]
-        try:
-            layer = 0
-            while live:
-                placed = [i for i in live if self._place(ns, keys[i], i, entries[i], layer, sink)]
-                if placed:
-                    await sink.ready(layer)
-                live = [i for i in placed if layer + 1 < self._layers(entries[i])]
-                layer += 1
-        finally:
-            for h in holds:
-                h.release()
-
-    @staticmethod
-    def _layers(e: CpuEntry | None) -> int:
-        return 0 if e is None else e.header.num_layers
-
-    def _place(
-        self, ns: str, key: bytes, i: int, e: CpuEntry | None, layer: int, sink: LayerSink
-    ) -> bool:
-        """Layer of key i (entry e) into the sink; False when it was dropped instead."""
-        assert e is not None
-        if self.index.get((ns, key)) is not e:  # deleted while the stream was away
-            sink.drop(i, "miss: deleted midway")
-            return False
-        h = e.header
-        off, n = h.layers[layer]
-        dst = sink.into(i, layer)
-        try:
-            if h.codec == "none":
-                self._gather(e, off, off + n, dst)
-                check = self.config.verify_gets or not reader_checks(sink)
-                if check and checksum(dst) != h.checksums[layer]:
-                    raise SegmentError(f"layer {layer}: checksum mismatch")
-            else:
-                scratch = memoryview(bytearray(n))
-                self._gather(e, off, off + n, scratch)
-                dst[:] = decode_layer_bytes(h, layer, scratch)
-        except SegmentError as err:
-            self._corrupt(ns, key)
-            sink.drop(i, f"miss: corrupt: {err}")
-            return False
-        self._stats.bytes_out += n
-        if layer + 1 == h.num_layers:
-            self._touch(ns, key)
-            self._stats.hits += 1
-        return True
+        off (storage_backends.cpu_stream)."""
+        await stream_pages(self, keys, ns, sink)
 
     async def _read_layers(self, ns: str, key: bytes) -> AsyncGenerator[SegmentLayer, None]:
         entry = self.index.get((ns, key))
