@@ -18,7 +18,8 @@ from typing import Any
 import xxhash
 
 from tierkv.storage_backends.pages import runs
-from tierkv.storage_backends.segment import SegmentHeader, raw_layout
+from tierkv.storage_backends.segment import SegmentHeader
+from tierkv.storage_backends.tensor_header import raw_layout
 
 
 @dataclass(slots=True, eq=False)
