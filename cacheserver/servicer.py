@@ -23,6 +23,7 @@ from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.frames import BadRequest, check_keys, check_known, cut, too_big
 from tierkv.cacheserver.hint_call import check_hint
 from tierkv.cacheserver.metrics import Metrics
+from tierkv.cacheserver.ns_stats import NsCounters, stats_response
 from tierkv.cacheserver.receive import Inflight, PutLimits, receive_put
 from tierkv.cacheserver.watch import WatchHub
 from tierkv.proto import tierkv_pb2 as pb
@@ -30,19 +31,6 @@ from tierkv.proto import tierkv_pb2_grpc as pb_grpc
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
 from tierkv.storage_backends.tier import SegmentLayer
-
-
-@dataclass(slots=True)
-class NsCounters:
-    """What one namespace did; Stats reports only the caller's."""
-
-    lookups: int = 0
-    puts: int = 0
-    gets: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    hits: dict[str, int] = field(default_factory=dict)  # tier -> gets it served
-    misses: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -203,35 +191,7 @@ class Servicer(pb_grpc.TierKVServicer):
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         async with self._call("Stats", context) as ns:
             check_known(request)
-            c = self._ns(ns)
-            tiers = []
-            names = [t.name for t in self.store.tiers]
-            for i, t in enumerate(self.store.tiers):
-                s = t.stats()
-                count = await t.scan_count(ns) if hasattr(t, "scan_count") else t.count(ns)
-                # A tier missed every get that a slower tier served or that no tier could.
-                missed = c.misses + sum(c.hits.get(n, 0) for n in names[i + 1 :])
-                tiers.append(
-                    pb.TierStats(
-                        name=t.name,
-                        count=count,
-                        used_bytes=s.used_bytes,
-                        capacity_bytes=s.capacity_bytes,
-                        hits=c.hits.get(t.name, 0),
-                        misses=missed,
-                        evictions=s.evictions,
-                        errors=s.errors,
-                    )
-                )
-            return pb.StatsResponse(
-                namespace=ns,
-                tiers=tiers,
-                lookups=c.lookups,
-                puts=c.puts,
-                gets=c.gets,
-                bytes_in=c.bytes_in,
-                bytes_out=c.bytes_out,
-            )
+            return await stats_response(self.store, ns, self._ns(ns))
 
     async def DataPlane(self, request: pb.DataPlaneRequest, context) -> pb.DataPlaneResponse:
         async with self._call("DataPlane", context):
