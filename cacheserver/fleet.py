@@ -21,7 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierkv.cacheserver.launch import RedisCluster, RedisProcess, free_port, wait_port
+from tierkv.cacheserver.launch import RedisProcess, free_port, wait_port
+from tierkv.cacheserver.launch_cluster import RedisCluster
 
 ENGINE_BLOCK = 16  # tokens per KV block of tierkv's engine (EngineConfig.block_size)
 VLLM_BLOCK = 128  # tokens per KV block of vLLM replicas (vLLM's CPU default, set explicitly)

@@ -41,7 +41,7 @@ def redis_proc():
 @pytest.fixture(scope="module")
 def redis_cluster():
     """A 3-master Redis Cluster on free ports, shared by the tests of one module."""
-    from tierkv.cacheserver.launch import RedisCluster
+    from tierkv.cacheserver.launch_cluster import RedisCluster
 
     c = RedisCluster(masters=3).start()
     yield c

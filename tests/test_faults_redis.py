@@ -12,7 +12,8 @@ import time
 import torch
 
 from tests.test_connector import CHUNK, GREEDY, engine, tokens
-from tierkv.cacheserver.launch import RedisCluster, RedisProcess
+from tierkv.cacheserver.launch import RedisProcess
+from tierkv.cacheserver.launch_cluster import RedisCluster
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig

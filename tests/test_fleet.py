@@ -142,7 +142,7 @@ def test_two_nodes_share_kv_through_a_redis_cluster_that_fails_over(
         prompts = ALONE
         for p in prompts:
             assert complete(a.url, p)[0] == cold[tuple(p)]
-        from tierkv.cacheserver.launch import RedisCluster
+        from tierkv.cacheserver.launch_cluster import RedisCluster
 
         assert isinstance(f.redis, RedisCluster)
         master = f.redis.nodes[0]  # a master (redis-cli makes the first nodes masters)
