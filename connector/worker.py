@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,10 +21,9 @@ from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loading import StagingPool, run_load
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan
+from tierkv.connector.saving import run_saves
 from tierkv.connector.transfer import LoadJob, PagedKV
-from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
-from tierkv.storage_backends.tier import Tier
 
 log = logging.getLogger("tierkv.connector")
 
@@ -200,47 +197,6 @@ class WorkerCore:
         """Flush, then close the store (the loop is the caller's)."""
         self.flush()
         self.loop.run(self.store.close(), 30)
-
-
-async def run_saves(
-    saves: list[SavePlan],
-    store: Tier,
-    ns: str,
-    fingerprint: bytes,
-    codec: str,
-    stats: ConnectorStats,
-    done: Callable[[SavePlan], object],
-) -> None:
-    """Put each staged chunk that the store does not hold yet; done(plan) frees its staging."""
-    for plan in saves:
-        t0 = time.perf_counter()
-        try:
-            c = plan.chunk
-            if (await store.contains([c.key], ns))[0]:
-                stats.save_skipped += 1
-                continue
-            seg = KVSegment.from_tensor(
-                plan.staging,
-                key=c.key,
-                parent=c.parent,
-                tokens=plan.tokens,
-                fingerprint=fingerprint,
-                base_position=c.start,
-                codec=codec,
-                scales=None if plan.scales is None else plan.scales.numpy(),
-            )
-            seg.owned = True  # the staging tensor is this segment's alone from here on
-            if await store.put(c.key, seg, ns):
-                stats.saved_chunks += 1
-                stats.saved_bytes += seg.nbytes
-            else:
-                stats.save_dropped += 1
-        except Exception as e:
-            stats.save_dropped += 1
-            log.warning("connector save of request %s failed: %r", plan.request_id, e)
-        finally:
-            done(plan)
-            stats.record(stats.save_seconds, time.perf_counter() - t0)
 
 
 def book(
