@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierkv.cacheserver.fleet_proc import Proc, healthy
 from tierkv.cacheserver.launch import RedisProcess, free_port, wait_port
 from tierkv.cacheserver.launch_cluster import RedisCluster
 
@@ -49,60 +48,6 @@ class FleetConfig:
     pin: bool = True  # each replica on one core of this process's affinity, round robin
     vllm_python: str = ""  # the python of vLLM's venv (engine == vllm)
     log_dir: Path = field(default_factory=lambda: Path("fleet-logs"))  # every process's log
-
-
-@dataclass(slots=True)
-class Proc:
-    """One process of the fleet and its log."""
-
-    name: str
-    cmd: list[str]
-    port: int
-    env: dict[str, str] = field(default_factory=dict)
-    core: int | None = None
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, log_dir: Path) -> Proc:
-        log = open(log_dir / f"{self.name}.log", "ab")
-        core = self.core
-
-        def pin() -> None:
-            if core is not None:
-                os.sched_setaffinity(0, {core})
-
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-            preexec_fn=pin,
-        )
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.kill() if kill else self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 @dataclass(slots=True)
