@@ -47,6 +47,17 @@ def connector_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     return cfg
 
 
+def shared(cfg: ConnectorConfig) -> ConnectorConfig:
+    """cfg, which must name a shared tier (remote=): ValueError otherwise."""
+    if cfg.remote is None:
+        raise ValueError(
+            "tierkv.vllm needs remote= (a tierkv-server or Redis): vLLM's scheduler and "
+            "worker are separate processes, and only a shared tier tells the scheduler "
+            "what the worker stored"
+        )
+    return cfg
+
+
 def weights_digest(model: str) -> str:
     """xxh3-128 of the checkpoint's weight files (names and bytes), or of the model's name when
     it is not a local directory or file."""

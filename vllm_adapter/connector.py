@@ -22,7 +22,6 @@ Safety contract (what vLLM may rely on):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -38,23 +37,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.connector.event_blocks import EventBlocks
 from tierkv.connector.loop import LoopThread
-from tierkv.connector.server_watch import follow
 from tierkv.storage_backends.keys import ChunkHasher
-from tierkv.vllm.config import connector_config, salt
+from tierkv.vllm.config import connector_config, salt, shared
 from tierkv.vllm.events import (
     Outbox,
     SchedulerEvents,
     TierKVEvents,
-    from_server,
     hit_sources,
-    recorder,
 )
 from tierkv.vllm.groups import NULL, Groups
 from tierkv.vllm.kvdtype import backend_writer
-from tierkv.vllm.pd import Roles
 from tierkv.vllm.prom import TierKVProm
-from tierkv.vllm.ranks import PartNames, heads_of
 from tierkv.vllm.scheduler import SchedulerSide, TierKVMetadata
+from tierkv.vllm.start import start_scheduler, start_worker
 from tierkv.vllm.stats import Reporter, TierKVStats
 from tierkv.vllm.worker import WorkerSide
 
@@ -72,13 +67,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        cfg = connector_config(self._kv_transfer_config.kv_connector_extra_config)
-        if cfg.remote is None:
-            raise ValueError(
-                "tierkv.vllm needs remote= (a tierkv-server or Redis): vLLM's scheduler and "
-                "worker are separate processes, and only a shared tier tells the scheduler "
-                "what the worker stored"
-            )
+        cfg = shared(connector_config(self._kv_transfer_config.kv_connector_extra_config))
         self.groups = Groups.of(kv_cache_config)
         self.config, self.salt = cfg, salt(vllm_config, cfg, self.groups.windowed)
         self.hasher = ChunkHasher(self.salt)
@@ -95,25 +84,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.watcher: Any = None
         fp = self.salt.fingerprint()
         if role == KVConnectorRole.SCHEDULER:
-            # The shared tier alone: the worker's local tiers live in its own process.
-            remote = dataclasses.replace(cfg.tiers, gpu_bytes=0, cpu_bytes=0, disk_dir=None)
-            shared = dataclasses.replace(cfg, tiers=remote)
-            store = self.loop.run(_build(shared))
-            roles = Roles.of(self._kv_transfer_config, fp.hex(), cfg.load_timeout_s)
-            self.sched = SchedulerSide(
-                self.loop, store, self.hasher, cfg, heads_of(vllm_config), self.groups, roles
+            ktc = self._kv_transfer_config
+            self.sched, self.watcher = start_scheduler(
+                vllm_config, ktc, self.loop, cfg, self.hasher, fp, self.groups, self.events, blocks
             )
-            # A failed load is recomputed, never a failed request (vLLM's default is "fail").
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            if blocks and hasattr(store.tiers[-1], "watch"):  # a tierkv-server: what it holds
-                handle = from_server(self.events.box, self.sched.names, blocks, self.hasher)
-                job = follow(store.tiers[-1], handle, stored=True, who="tierkv.vllm")
-                self.watcher = self.loop.submit(job)
         else:
-            store = self.loop.run(_build(cfg))
-            names = PartNames()
-            hook = recorder(self.outbox, cfg.namespace, blocks, names)
-            self.worker = WorkerSide.start(vllm_config, self.loop, store, cfg, fp, hook, names)
+            self.worker = start_worker(vllm_config, self.loop, cfg, fp, self.outbox, blocks)
 
     # -- worker side -----------------------------------------------------------------------
     def _w(self) -> WorkerSide:
@@ -276,7 +252,3 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         cache group) once get_finished names it. A prefill for a remote decode returns the
         kv_transfer_params the decode instance needs (tierkv.vllm.pd)."""
         return self._s().finished(request)
-
-
-async def _build(cfg: Any) -> Any:
-    return cfg.build_store()
