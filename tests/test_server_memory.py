@@ -18,6 +18,7 @@ from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.launch import ServerProcess
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.segment import KVSegment
+from tierkv.storage_backends.tensor_header import tensor_header
 
 MiB = 1 << 20
 BUDGET = 16 * MiB
@@ -98,8 +99,18 @@ def test_declared_sizes_reserve_nothing(server) -> None:
     assert asyncio.run(roundtrip())
 
 
+def big_header(key: bytes) -> tuple[int, bytes]:
+    """(its segment's length, the encoded header) of a 128 MiB segment: a PUT gets past the
+    header check with it (its layers' checksums are never reached)."""
+    kv = torch.empty(32, 2, 1024, 8, 128, dtype=torch.bfloat16, device="meta")
+    h = tensor_header(kv, key, bytes(16), torch.arange(1024), b"f" * 16, 0, "none", None)
+    h.checksums = [0] * h.num_layers
+    return h.nbytes, h.encode()
+
+
 def data_plane_puts(target: str, rss, sessions: int = 60) -> tuple[int, list[int]]:
-    """`sessions` data plane PUTs (TCP) that each declare 256 MiB and send 1 MiB, then hang:
+    """`sessions` data plane PUTs (TCP) that each declare 128 MiB with a valid header and send
+    1 MiB more, then hang:
     the RSS growth while they are open, and each one's status: BUSY, RESET (refused with our
     bytes unread, so the kernel reset the connection) or -1 (still receiving)."""
     from tierkv.cacheserver.dataplane.protocol import BUSY, HEAD, HELLO, PUT, pack
@@ -118,7 +129,9 @@ def data_plane_puts(target: str, rss, sessions: int = 60) -> tuple[int, list[int
         sock = socket.create_connection(("127.0.0.1", tcp), 10)
         sock.sendall(pack(HELLO, 0))
         assert HEAD.unpack(sock.recv(HEAD.size + 8)[: HEAD.size])[0] == 0
-        head = pack(PUT, 1, i.to_bytes(16, "little") + (256 * MiB).to_bytes(8, "little"))
+        key = i.to_bytes(16, "little")
+        total, header = big_header(key)
+        head = pack(PUT, 1, key + total.to_bytes(8, "little")) + header
         try:
             sock.sendall(head + os.urandom(MiB))
         except OSError:  # refused while we were still sending
