@@ -30,7 +30,11 @@ def tree_key(seq: Sequence, n: int) -> list[int]:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        eviction: str = "lru",
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"need at least one KV block, got {num_blocks}")
@@ -38,7 +42,7 @@ class BlockManager:
         self.block_size = block_size
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
-        self.tree = RadixTree(block_size) if enable_prefix_caching else None
+        self.tree = RadixTree(block_size, eviction) if enable_prefix_caching else None
 
     def num_available(self) -> int:
         """Blocks an allocation can get: free ones plus those only the prefix cache holds."""
@@ -85,6 +89,8 @@ class BlockManager:
             return 0
         n = len(seq) - 1 if limit is None else min(len(seq) - 1, limit)
         blocks, node = self.tree.match(tree_key(seq, n))
+        if seq.kv_hint is not None:
+            self.tree.tag(node, seq.kv_hint)
         self.tree.lock(node)
         seq.lock = node
         for b in blocks:
@@ -119,6 +125,8 @@ class BlockManager:
         node, adopted = self.tree.insert(tree_key(seq, n * self.block_size), seq.block_table[:n])
         for b in adopted:
             self.ref[b] += 1
+        if seq.kv_hint is not None:
+            self.tree.tag(node, seq.kv_hint)
         self.tree.lock(node)
         if seq.lock is not None:
             self.tree.unlock(seq.lock)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,6 +24,8 @@ from tierkv.engine.sampler import sample
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.scheduler import Scheduler
 from tierkv.engine.sequence import Sequence
+from tierkv.engine.workflow import StepPrefetch
+from tierkv.storage_backends.hints import KVHint
 
 # One prompt: text, token ids, or PromptParts (a CacheBlend prompt in parts).
 Prompt = str | list[int] | list[PromptPart]
@@ -63,6 +66,7 @@ class Engine:
         blend_metric: str = "k",
         blend_gradual: int = 0,
         matmul_dtype: str = "auto",
+        eviction: str = "lru",
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -79,6 +83,7 @@ class Engine:
             blend_metric=blend_metric,
             blend_gradual=blend_gradual,
             matmul_dtype=matmul_dtype,
+            eviction=eviction,
         )
         # checks the global knobs now
         BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
@@ -95,7 +100,10 @@ class Engine:
             self.connector,
             self.device,
         )
-        self.blocks = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.blocks = BlockManager(
+            self.runner.num_blocks, block_size, enable_prefix_caching, self.config.eviction
+        )
+        self.steps = StepPrefetch()  # workflow steps: the next step's agents' prompts
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
             self.config,
@@ -135,11 +143,16 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def add_request(
-        self, request_id: str | None, prompt: Prompt, params: SamplingParams
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams,
+        kv_hint: KVHint | None = None,
     ) -> Request:
         """Queue prompt for params.n samples; request_id None takes a number unique for the
         engine's life. A bad prompt raises ValueError and changes nothing. The Request returned
-        is updated by every step."""
+        is updated by every step. kv_hint (advice): the workflow step it runs for; it orders the
+        prefix cache's eviction ("hinted") and prefetches the next step's agents' prompts."""
         rid = str(self._next_id) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is in use")
@@ -154,12 +167,23 @@ class Engine:
         tokens = cast("list[int]", prompt)  # every element checked just above
         req = Request(rid, list(tokens), params)
         seq = self._new_seq(req, 0)
+        seq.kv_hint = kv_hint
         if spans is not None and self.supports_segments:
             seq.blend = BlendState(spans, prefix_len, self._blend_params(params))
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
+        if kv_hint is not None:
+            self._step_started(kv_hint, req.prompt_token_ids)
         return req
+
+    def _step_started(self, hint: KVHint, prompt: list[int]) -> None:
+        """A hinted request starts a workflow step: its table ranks the prefix cache, and the
+        next step's agents' prompts are prefetched (the connector's prefetch returns at once)."""
+        if self.blocks.tree is not None:
+            self.blocks.tree.advise(hint)
+        for agent, tokens in self.steps.step_started(hint, prompt):
+            self.connector.prefetch(tokens, replace(hint, agent=agent))
 
     def step(self) -> list[Request]:
         """One engine step. Returns the requests that sampled or finished in it; a finished
@@ -181,6 +205,7 @@ class Engine:
             if seq.params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0:
                 for k in range(1, seq.params.n):  # the other samples share this prompt's KV
                     child = self._new_seq(self.requests[seq.group], k)
+                    child.kv_hint = seq.kv_hint
                     children.append((seq, child))
                     rows.append(i)
                     seqs.append(child)
