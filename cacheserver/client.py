@@ -15,6 +15,7 @@ the `ns` arguments are checked for form and otherwise left to the server.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import (
@@ -36,6 +37,7 @@ from tierkv.cacheserver.batch import Batcher
 from tierkv.cacheserver.frames import Assembly, put_wire
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.hints import KVHint, hint_json
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
 from tierkv.storage_backends.sizes import MiB
@@ -170,6 +172,39 @@ class RemoteTier(BaseTier):
     async def _lookup(self, keys: list[bytes]) -> pb.LookupResponse | None:
         req = pb.LookupRequest(keys=keys)
         return await self._retry("lookup", lambda: self.stub.Lookup(req, **self._opts()))
+
+    async def hint(
+        self,
+        keys: Sequence[bytes],
+        hint: KVHint | None,
+        pin_ttl_s: float = 0.0,
+        prefetch: bool = False,
+    ) -> pb.HintResponse | None:
+        """Advise the server of keys (its Hint call, docs/workflows.md): tag them with hint's
+        agent, soft-pin them pin_ttl_s seconds (0: no pin), and with prefetch move them up to
+        its fastest tier in the background. Counts summed over batches; None when a call
+        failed (hints are advice: nothing else happens)."""
+        ks = [check_key(k) for k in keys]
+        doc = "" if hint is None else json.dumps(hint_json(hint), separators=(",", ":"))
+        total = pb.HintResponse()
+        for i in range(0, len(ks), LOOKUP_BATCH):
+            r = await self._hint_batch(
+                pb.HintRequest(
+                    hint_json=doc,
+                    keys=ks[i : i + LOOKUP_BATCH],
+                    pin_ttl_s=pin_ttl_s,
+                    prefetch=prefetch,
+                )
+            )
+            if r is None:
+                return None
+            total.tagged += r.tagged
+            total.pinned += r.pinned
+            total.prefetching += r.prefetching
+        return total
+
+    async def _hint_batch(self, req: pb.HintRequest) -> pb.HintResponse | None:
+        return await self._retry("hint", lambda: self.stub.Hint(req, **self._opts()))
 
     async def _contains(self, ns: str, keys: list[bytes]) -> list[bool]:
         found: list[bool] = []

@@ -19,7 +19,13 @@ from typing import Any
 
 import yaml
 
-from tierkv.storage_backends.build import ConfigError, TiersConfig, flat_fields, nest
+from tierkv.storage_backends.build import (
+    ConfigError,
+    TiersConfig,
+    flat_fields,
+    nest,
+    parse_quota_knob,
+)
 from tierkv.storage_backends.knobs import default_of, field_docs, format_default
 from tierkv.storage_backends.names import check_namespace
 from tierkv.storage_backends.sizes import MiB, parse_size
@@ -82,7 +88,8 @@ class ServerConfig:
     max_frame_bytes: int = MiB  # largest payload frame
     max_frames: int = 4096  # most payload frames in one Put
     max_streams: int = 64  # concurrent Put/Get/GetMany streams, server-wide
-    max_keys: int = 4096  # most keys in one Lookup/GetMany/Delete
+    max_keys: int = 4096  # most keys in one Lookup/GetMany/Delete/Hint
+    max_pin_s: float = 600.0  # longest soft pin a Hint may ask for (its pin_ttl_s), seconds
     # Bytes held by Puts still being received, server-wide: receive buffers grow as bytes
     # arrive (never from a declared size); past this a Put fails with RESOURCE_EXHAUSTED.
     max_inflight_bytes: int = 1 << 30
@@ -126,6 +133,8 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.grace_s < 0:
             raise ConfigError("grace_s must be >= 0")
+        if not 0 < self.max_pin_s <= 86400:
+            raise ConfigError("max_pin_s must be in (0, 86400]")
 
     @property
     def cache_path(self) -> Path:
@@ -168,6 +177,8 @@ def _coerce(knob: Field, raw: Any) -> Any:
             return _size(raw, name)
         if name == "tokens":
             return parse_tokens(raw)
+        if name == "quotas":
+            return parse_quota_knob(raw)
         if kind == "bool":
             if isinstance(raw, bool):
                 return raw

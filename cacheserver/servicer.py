@@ -21,6 +21,7 @@ from tierkv.cacheserver import wire
 from tierkv.cacheserver.auth import Auth
 from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.frames import BadRequest, check_keys, check_known, cut, too_big
+from tierkv.cacheserver.hint_call import check_hint
 from tierkv.cacheserver.metrics import Metrics
 from tierkv.cacheserver.receive import Inflight, PutLimits, receive_put
 from tierkv.cacheserver.watch import WatchHub
@@ -240,6 +241,15 @@ class Servicer(pb_grpc.TierKVServicer):
                 region_bytes=self.config.shm_region_bytes,
                 tcp_port=self.data_port,
             )
+
+    async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
+        """Tag, soft-pin and prefetch the caller namespace's keys (cacheserver.hint_call)."""
+        async with self._call("Hint", context) as ns:
+            h = check_hint(request, self.config.max_keys, self.config.max_pin_s)
+            # held_only: a shared server keeps tags of what it stores, never of any key named
+            tagged, pinned = self.store.hint(h.keys, ns, h.hint, h.pin_ttl_s, held_only=True)
+            moving = self.store.prefetch(h.keys, ns) if h.prefetch else 0
+            return pb.HintResponse(tagged=tagged, pinned=pinned, prefetching=moving)
 
     async def Watch(self, request: pb.WatchRequest, context) -> AsyncIterator[bytes]:
         """The caller namespace's removals (and stores, if asked), until the caller ends it

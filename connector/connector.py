@@ -22,12 +22,19 @@ import torch
 from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import ConnectorStats, LoadPlan, RequestState, StepMeta
-from tierkv.connector.requests import model_fingerprint, record_lookup, request_state
+from tierkv.connector.requests import (
+    model_fingerprint,
+    prefix_chunks,
+    record_lookup,
+    request_state,
+)
 from tierkv.connector.transfer import EngineKV, Layout
 from tierkv.connector.worker import WorkerCore
+from tierkv.connector.workflow import Workflows
 from tierkv.engine.blend_step import blending
 from tierkv.engine.kv_connector import ConnectorRequest, ConnectorStep, KVConnector
 from tierkv.kernels import FP8, RotaryEmbedding
+from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.keys import ChunkHasher, Salt
 from tierkv.storage_backends.segment import VERSION, dtype_name
 from tierkv.storage_backends.store import TieredStore
@@ -49,6 +56,7 @@ class TierKVConnector(KVConnector):
         self.store = self.loop.run(self._build_store(tiers))
         self.worker = WorkerCore(self.loop, self.store, self.config, self.stats)
         self.ns = self.config.namespace
+        self.workflows = Workflows(self.loop, self.store, self.ns)
         self.states: dict[str, RequestState] = {}
         self.finished: dict[str, dict[str, Any]] = {}  # metrics of finished requests, read once
         self.pending_loads: list[LoadPlan] = []
@@ -127,7 +135,24 @@ class TierKVConnector(KVConnector):
             st = self.states[request.request_id] = request_state(
                 request, self.hasher.salted(request.cache_salt), self.config.save_partial_chunks
             )
+            hint = getattr(request, "kv_hint", None)  # a workflow's advice (storage_backends.hints)
+            if isinstance(hint, KVHint) and st.chunks:
+                self.workflows.advise([c.key for c in st.chunks], hint)
         return st
+
+    def prefetch(
+        self, token_ids: list[int], hint: KVHint | None = None, cache_salt: str | None = None
+    ) -> None:
+        """A prompt that will run soon (the next workflow step's agent): its chunk keys are
+        tagged with hint, the server moves them up to its cpu tier and those it holds are
+        loaded into the local tiers, all in the background; returns at once, never fails."""
+        try:
+            tokens = np.asarray(token_ids, dtype=np.int32)
+            hasher = self.hasher.salted(cache_salt)
+            keys = [c.key for c in prefix_chunks(hasher, tokens, self.config.save_partial_chunks)]
+            self.workflows.prefetch(keys, hint)
+        except Exception as e:  # advice: never the engine's failure
+            log.warning("connector prefetch failed (%r): ignored", e)
 
     def lookup_segments(
         self,

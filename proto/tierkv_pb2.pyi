@@ -188,3 +188,25 @@ class WatchEvent(_message.Message):
     dropped: int
     stored: _containers.RepeatedCompositeFieldContainer[Stored]
     def __init__(self, removed: _Optional[_Iterable[_Union[Removed, _Mapping]]] = ..., dropped: _Optional[int] = ..., stored: _Optional[_Iterable[_Union[Stored, _Mapping]]] = ...) -> None: ...
+
+class HintRequest(_message.Message):
+    __slots__ = ("hint_json", "keys", "pin_ttl_s", "prefetch")
+    HINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    hint_json: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pin_ttl_s: float
+    prefetch: bool
+    def __init__(self, hint_json: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin_ttl_s: _Optional[float] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+
+class HintResponse(_message.Message):
+    __slots__ = ("tagged", "pinned", "prefetching")
+    TAGGED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHING_FIELD_NUMBER: _ClassVar[int]
+    tagged: int
+    pinned: int
+    prefetching: int
+    def __init__(self, tagged: _Optional[int] = ..., pinned: _Optional[int] = ..., prefetching: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,11 @@ class TierKVStub:
                 request_serializer=tierkv_dot_proto_dot_tierkv__pb2.WatchRequest.SerializeToString,
                 response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.Hint = channel.unary_unary(
+                '/tierkv.v1.TierKV/Hint',
+                request_serializer=tierkv_dot_proto_dot_tierkv__pb2.HintRequest.SerializeToString,
+                response_deserializer=tierkv_dot_proto_dot_tierkv__pb2.HintResponse.FromString,
+                _registered_method=True)
 
 
 class TierKVServicer:
@@ -136,6 +141,15 @@ class TierKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hint(self, request, context):
+        """Workflow advice for the caller namespace's keys: tag them with a hint's agent (eviction by
+        next use), soft-pin them for a while, and/or move them up to the fastest tier in the
+        background. Advice only: a stale hint makes the cache slower, never wrong.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +192,11 @@ def add_TierKVServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.WatchRequest.FromString,
                     response_serializer=tierkv_dot_proto_dot_tierkv__pb2.WatchEvent.SerializeToString,
+            ),
+            'Hint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hint,
+                    request_deserializer=tierkv_dot_proto_dot_tierkv__pb2.HintRequest.FromString,
+                    response_serializer=tierkv_dot_proto_dot_tierkv__pb2.HintResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +415,33 @@ class TierKV:
             '/tierkv.v1.TierKV/Watch',
             tierkv_dot_proto_dot_tierkv__pb2.WatchRequest.SerializeToString,
             tierkv_dot_proto_dot_tierkv__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierkv.v1.TierKV/Hint',
+            tierkv_dot_proto_dot_tierkv__pb2.HintRequest.SerializeToString,
+            tierkv_dot_proto_dot_tierkv__pb2.HintResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
+from tierkv.storage_backends.eviction import ANY_NS, POLICIES, parse_quotas
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.names import check_namespace
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.sizes import parse_size
 from tierkv.storage_backends.tier import Tier
@@ -55,6 +57,13 @@ class TiersConfig:
     redis_ttl_s: int = 0
     # redis tier: timeout of each Redis command in seconds; a timeout is a miss.
     redis_timeout_s: float = 1.0
+    # gpu, cpu and disk tiers: eviction order when room is needed: lru (oldest first) or
+    # hinted (by workflow hints, the farthest next use first; unhinted entries by LRU).
+    eviction: str = "lru"
+    # gpu, cpu and disk tiers: each namespace's byte share of each tier, NS=SIZE[,NS=SIZE...]
+    # (SIZE: 256MiB, 4096 or 25% of the tier; NS * for every namespace not named, else 0);
+    # entries of namespaces over their share are evicted first. none: no quotas.
+    quotas: dict[str, int | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
@@ -68,6 +77,31 @@ class TiersConfig:
             )
         if self.redis_ttl_s < 0 or self.redis_timeout_s <= 0:
             raise ConfigError("redis_ttl_s must be >= 0 and redis_timeout_s > 0")
+        if self.eviction not in POLICIES:
+            raise ConfigError(f"eviction must be one of {POLICIES}, got {self.eviction!r}")
+        self.quotas = parse_quota_knob(self.quotas)
+
+
+def parse_quota_knob(value: str | Mapping[str, int | str]) -> dict[str, int | str]:
+    """'ns1=1GiB,ns2=25%' or a mapping -> {namespace: share}, each checked (ConfigError
+    naming `quotas` otherwise); shares stay as given (a percentage needs the tier's size)."""
+    if isinstance(value, Mapping):
+        pairs = [(str(k), v) for k, v in value.items()]
+    else:
+        pairs = []
+        for item in filter(None, (s.strip() for s in str(value).split(","))):
+            ns, eq, share = item.partition("=")
+            if not eq:
+                raise ConfigError(f"quotas: expected NAMESPACE=SIZE, got {item!r}")
+            pairs.append((ns.strip(), share.strip()))
+    try:
+        for ns, _ in pairs:
+            if ns != ANY_NS:
+                check_namespace(ns)
+        parse_quotas(dict(pairs), 1 << 40)
+    except ValueError as e:
+        raise ConfigError(f"quotas: {e}") from None
+    return dict(pairs)
 
 
 TIER_KNOBS = frozenset(f.name for f in dataclasses.fields(TiersConfig))
@@ -97,12 +131,14 @@ def build_tiers(c: TiersConfig) -> list[Tier]:
     """The tiers c asks for, fastest first; an empty list when it asks for none."""
     tiers: list[Tier] = []
     gpu, cpu, disk = int(c.gpu_bytes), int(c.cpu_bytes), int(c.disk_bytes)
+    ev, q = c.eviction, dict(c.quotas)
     if gpu:
-        tiers.append(GpuTier(GpuTierConfig(capacity_bytes=gpu)))
+        tiers.append(GpuTier(GpuTierConfig(capacity_bytes=gpu, eviction=ev, quotas=q)))
     if cpu:
-        tiers.append(CpuTier(CpuTierConfig(capacity_bytes=cpu)))
+        tiers.append(CpuTier(CpuTierConfig(capacity_bytes=cpu, eviction=ev, quotas=q)))
     if c.disk_dir is not None and disk:
-        tiers.append(DiskTier(DiskTierConfig(root=c.disk_dir, capacity_bytes=disk)))
+        d = DiskTierConfig(root=c.disk_dir, capacity_bytes=disk, eviction=ev, quotas=q)
+        tiers.append(DiskTier(d))
     if c.redis_url:
         tiers.append(
             RedisTier(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.copies import copied
+from tierkv.storage_backends.eviction import make_policy
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.invariants import InvariantError, invariant
 from tierkv.storage_backends.names import check_key, check_namespace
@@ -40,6 +41,12 @@ class CpuTierConfig:
     # and costs about half the get bandwidth (xxh3 is as slow as the copy). Readers of
     # get_layers check each layer with decode_layer either way.
     verify_gets: bool = False
+    # eviction order when room is needed (storage_backends.eviction): "lru" (oldest first) or
+    # "hinted" (farthest next use by workflow hints first; unhinted entries by LRU)
+    eviction: str = "lru"
+    # namespace -> its byte share of this tier ("256MiB", 4096, or "25%"; "*": each namespace
+    # not named; unnamed without "*": 0): namespaces over their share are evicted first
+    quotas: dict[str, int | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capacity_bytes = parse_size(self.capacity_bytes)
@@ -81,6 +88,7 @@ class CpuTier(IndexedTier[CpuEntry]):
         self._start_index(
             num_pages * pb,
             c.lease_ttl_s,
+            make_policy(c.eviction, c.quotas, num_pages * pb),
             device="cpu",
             notes="pinned" if pin else "pageable",
         )
@@ -211,7 +219,7 @@ class CpuTier(IndexedTier[CpuEntry]):
             self._stats.errors += 1
             return None
         need = -(-h.nbytes // self.page_bytes)
-        if not self._make_room(need * self.page_bytes):
+        if not self._make_room(need * self.page_bytes, ns):
             return None
         pages = self.pages.alloc(need)
         if pages is None:  # _make_room made the room: the allocator disagrees with the index

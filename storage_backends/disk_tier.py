@@ -7,7 +7,7 @@ import os
 import re
 import uuid
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import aiofiles
 
 from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.disk_stream import stream_files
+from tierkv.storage_backends.eviction import make_policy
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.names import check_namespace
 from tierkv.storage_backends.segment import (
@@ -47,6 +48,12 @@ class DiskTierConfig:
     capacity_bytes: int | str = "16GiB"  # total bytes of segment files; never exceeded
     fsync: bool = True  # fsync each file before its rename, so a crash leaves whole files or none
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
+    # eviction order when room is needed (storage_backends.eviction): "lru" (oldest first) or
+    # "hinted" (farthest next use by workflow hints first; unhinted entries by LRU)
+    eviction: str = "lru"
+    # namespace -> its byte share of this tier ("256MiB", 4096, or "25%"; "*": each namespace
+    # not named; unnamed without "*": 0): namespaces over their share are evicted first
+    quotas: dict[str, int | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -71,9 +78,9 @@ class DiskTier(IndexedTier[DiskEntry]):
         self.config = config or DiskTierConfig()
         self.root = Path(self.config.root)
         self._pending: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
-        self._start_index(
-            parse_size(self.config.capacity_bytes), self.config.lease_ttl_s, device=str(self.root)
-        )
+        c, cap = self.config, parse_size(self.config.capacity_bytes)
+        policy = make_policy(c.eviction, c.quotas, cap)
+        self._start_index(cap, c.lease_ttl_s, policy, device=str(self.root))
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -186,7 +193,7 @@ class DiskTier(IndexedTier[DiskEntry]):
         except SegmentError:
             self._stats.errors += 1
             return None
-        if not self._make_room(h.nbytes):
+        if not self._make_room(h.nbytes, ns):
             return None
         self.reserved_bytes += h.nbytes  # reserved now, so concurrent writes cannot overshoot
         path = self._path(ns, key)

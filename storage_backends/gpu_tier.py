@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tierkv.storage_backends.buffers import clone_to
+from tierkv.storage_backends.eviction import make_policy
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.sizes import parse_size
@@ -21,6 +22,12 @@ class GpuTierConfig:
     capacity_bytes: int | str = "1GiB"  # payload bytes held on the device; never exceeded
     device: str | None = None  # torch device; None: "cuda" when present, else "cpu" (stats say so)
     lease_ttl_s: float = 30.0  # default lifetime of a lease taken without an explicit ttl
+    # eviction order when room is needed (storage_backends.eviction): "lru" (oldest first) or
+    # "hinted" (farthest next use by workflow hints first; unhinted entries by LRU)
+    eviction: str = "lru"
+    # namespace -> its byte share of this tier ("256MiB", 4096, or "25%"; "*": each namespace
+    # not named; unnamed without "*": 0): namespaces over their share are evicted first
+    quotas: dict[str, int | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capacity_bytes = parse_size(self.capacity_bytes)
@@ -38,9 +45,11 @@ class GpuTier(IndexedTier[KVSegment]):
         dev = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(dev)
         notes = "" if self.device.type == "cuda" else "no CUDA: device tensors live on the CPU"
+        c, cap = self.config, parse_size(self.config.capacity_bytes)
         self._start_index(
-            parse_size(self.config.capacity_bytes),
-            self.config.lease_ttl_s,
+            cap,
+            c.lease_ttl_s,
+            make_policy(c.eviction, c.quotas, cap),
             device=str(self.device),
             notes=notes,
         )
@@ -60,7 +69,7 @@ class GpuTier(IndexedTier[KVSegment]):
 
     async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
         n = _nbytes(segment)
-        if not self._make_room(n):
+        if not self._make_room(n, ns):
             return None
         try:
             payload = clone_to(segment.payload, self.device)

@@ -8,8 +8,10 @@ agents takes the soonest), `NEVER` when untagged or when no live table names its
 `PINNED` while a soft pin lasts. Evict the largest rank first; ties by recency.
 
 Safety contract: a hint changes ranks in its own namespace only; tables and pins expire by
-themselves (`ttl_s`); the book is bounded (`max_workflows` tables and `max_tags` tags per item,
-oldest dropped first), so hints cannot grow memory without end. Not thread-safe: one event loop.
+themselves (`ttl_s`); the book is bounded (`max_workflows` tables, `max_tags` tags per item and
+`max_items` tagged or pinned items, oldest dropped first), so hints cannot grow memory without
+end. An item may be tagged before it is cached (a prompt's chunks before they are saved); the
+cache forgets an item when it leaves. Not thread-safe: one event loop.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class HintBook(Generic[K]):
     ttl_s: float = 600.0  # a workflow's table (and a pin, by default) lasts this long
     max_workflows: int = 1024  # tables per namespace; the least recently hinted goes first
     max_tags: int = 16  # (workflow, agent) tags per item; the oldest goes first
+    max_items: int = 1 << 16  # tagged items, and pinned ones; the least recently tagged go first
     tables: dict[str, OrderedDict[str, Table]] = field(default_factory=dict)
     tags: dict[tuple[str, K], list[Tag]] = field(default_factory=dict)
     pins: dict[tuple[str, K], float] = field(default_factory=dict)  # -> expiry
@@ -54,18 +57,38 @@ class HintBook(Generic[K]):
 
     def tag(self, ns: str, item: K, hint: KVHint) -> None:
         """item holds KV of the hint's agent (its prompt, or a prefix it shares)."""
-        tags = self.tags.setdefault((ns, item), [])
-        t = (hint.workflow, hint.agent)
-        if t in tags:
-            tags.remove(t)
-        tags.append(t)
-        del tags[: -self.max_tags]
+        self.add_tags(ns, item, [(hint.workflow, hint.agent)])
+
+    def add_tags(self, ns: str, item: K, tags: list[Tag]) -> None:
+        """Tag item with each of tags (a tag it has becomes its newest)."""
+        ident = (ns, item)
+        have = self.tags.pop(ident, [])  # re-inserted: the dict's order is the tagging order
+        for t in tags:
+            if t in have:
+                have.remove(t)
+            have.append(t)
+        del have[: -self.max_tags]
+        self.tags[ident] = have
+        while len(self.tags) > self.max_items:
+            del self.tags[next(iter(self.tags))]
+
+    def carry(self, other: HintBook[K], ns: str, item: K) -> None:
+        """Give item the tags and pin it has in other (its KV moved from other's cache)."""
+        tags = other.tags.get((ns, item))
+        if tags:
+            self.add_tags(ns, item, tags)
+        pin = other.pins.get((ns, item))
+        if pin is not None:
+            self.pin(ns, item, 0.0, now=pin)
 
     def pin(self, ns: str, item: K, ttl_s: float, now: float | None = None) -> None:
         """Keep item ahead of every hinted one for ttl_s seconds (soft: a tier that must make
         room still evicts it when nothing else is left)."""
         now = time.monotonic() if now is None else now
+        self.pins.pop((ns, item), None)
         self.pins[(ns, item)] = now + ttl_s
+        while len(self.pins) > self.max_items:
+            del self.pins[next(iter(self.pins))]
 
     def forget(self, ns: str, item: K) -> None:
         """item left the cache: its tags and pin go too."""
@@ -91,6 +114,8 @@ class HintBook(Generic[K]):
     def check_integrity(self) -> None:
         for ns, book in self.tables.items():
             invariant(len(book) <= self.max_workflows, f"too many workflow tables in {ns!r}")
+        invariant(len(self.tags) <= self.max_items, "too many tagged items")
+        invariant(len(self.pins) <= self.max_items, "too many pinned items")
         for ident, tags in self.tags.items():
             invariant(0 < len(tags) <= self.max_tags, f"tags of {ident!r} out of bounds")
             invariant(len(set(tags)) == len(tags), f"a tag of {ident!r} twice")

@@ -56,6 +56,17 @@ class KVHint:
         return dict(self.next_use) if self.graph is None else steps_to_next_use(self.graph)
 
 
+def hint_json(h: KVHint) -> dict[str, Any]:
+    """h in the JSON form parse_hint reads (parse_hint(hint_json(h)) == h)."""
+    out: dict[str, Any] = {"workflow": h.workflow, "agent": h.agent}
+    if h.graph is None:
+        out["next_use"] = dict(h.next_use)
+    else:
+        g = h.graph
+        out["graph"] = {"steps": [list(s) for s in g.steps], "at": g.at, "loop": g.loop}
+    return out
+
+
 def steps_to_next_use(g: StepGraph) -> dict[str, int]:
     """For each agent of the graph, how many steps after `at` it runs next (0: at `at`). An
     agent that never runs again (no loop, and only before `at`) is left out."""

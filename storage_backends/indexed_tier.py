@@ -6,6 +6,9 @@ import abc
 from collections import Counter, OrderedDict
 from typing import Any, Generic, TypeVar
 
+from tierkv.storage_backends.eviction import EvictionPolicy, LruPolicy
+from tierkv.storage_backends.hint_book import HintBook
+from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.invariants import invariant
 from tierkv.storage_backends.leases import Lease, Leases
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace
@@ -18,23 +21,36 @@ E = TypeVar("E")
 
 class IndexedTier(BaseTier, Generic[E]):
     """What the local tiers (gpu, cpu, disk) share: an LRU `index` of entries keyed by
-    (ns, key) (oldest first), per-namespace `counts`, `used_bytes` against `capacity_bytes`,
-    leases, LRU eviction of unleased entries, and check_integrity. A subclass calls
+    (ns, key) (oldest first), per-namespace `counts` and `ns_bytes`, `used_bytes` against
+    `capacity_bytes`, leases, eviction of unleased entries in the order of a pluggable
+    `policy` (storage_backends.eviction; LRU by default) ranked by the workflow `hints` of its
+    keys, and check_integrity. A subclass calls
     `_start_index(...)` in its constructor and implements `_entry_bytes(entry)` (the capacity
     an entry takes), `_release(entry)` (free what it holds once it has left the index),
     `_evicted(entry)` (the entry as a segment for on_evict), and may add `_check_entries()`."""
 
     index: OrderedDict[tuple[str, bytes], E]
     counts: dict[str, int]
+    ns_bytes: dict[str, int]  # bytes of each namespace's entries (quota policy)
+    hints: HintBook[bytes]  # workflow tags and pins of this tier's keys (hinted policy)
+    policy: EvictionPolicy
     leases: Leases
     used_bytes: int
     reserved_bytes: int  # bytes being written, not indexed yet (they count against capacity)
     capacity_bytes: int
     lease_ttl_s: float
 
-    def _start_index(self, capacity_bytes: int, lease_ttl_s: float, **stats: Any) -> None:
+    def _start_index(
+        self,
+        capacity_bytes: int,
+        lease_ttl_s: float,
+        policy: EvictionPolicy | None = None,
+        **stats: Any,
+    ) -> None:
         self.index = OrderedDict()
-        self.counts = {}
+        self.counts, self.ns_bytes = {}, {}
+        self.hints = HintBook()
+        self.policy = policy or LruPolicy()
         self.leases = Leases()
         self.used_bytes = self.reserved_bytes = 0
         self.capacity_bytes, self.lease_ttl_s = capacity_bytes, lease_ttl_s
@@ -60,16 +76,24 @@ class IndexedTier(BaseTier, Generic[E]):
     def _add(self, ns: str, key: bytes, entry: E) -> None:
         self.index[(ns, key)] = entry
         self.counts[ns] = self.counts.get(ns, 0) + 1
-        self.used_bytes += self._entry_bytes(entry)
+        n = self._entry_bytes(entry)
+        self.used_bytes += n
+        self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + n
 
-    def _remove(self, ns: str, key: bytes) -> bool:
+    def _remove(self, ns: str, key: bytes, forget: bool = True) -> bool:
+        """Take (ns, key) out of the index; its hint tags go too unless forget is False (an
+        eviction forgets them once on_evict has carried them to the next tier)."""
         entry = self.index.pop((ns, key), None)
         if entry is None:
             return False
-        self.used_bytes -= self._entry_bytes(entry)
+        n = self._entry_bytes(entry)
+        self.used_bytes -= n
+        self.ns_bytes[ns] -= n
         self.counts[ns] -= 1
         if not self.counts[ns]:
-            del self.counts[ns]
+            del self.counts[ns], self.ns_bytes[ns]
+        if forget:
+            self.hints.forget(ns, key)
         self._release(entry)
         return True
 
@@ -91,21 +115,25 @@ class IndexedTier(BaseTier, Generic[E]):
     async def _delete(self, ns: str, key: bytes) -> bool:
         return self._remove(ns, key)
 
-    def _make_room(self, n: int) -> bool:
-        """Evict unleased entries, least recently used first, until n more bytes fit; False,
-        with nothing evicted, when they cannot."""
+    def _make_room(self, n: int, ns: str = DEFAULT_NAMESPACE) -> bool:
+        """Evict unleased entries not in use, in the policy's order, until n more bytes (a put
+        into ns) fit; False, with nothing evicted, when they cannot."""
         if n > self.capacity_bytes:
             return False
         free = self.capacity_bytes - self.used_bytes - self.reserved_bytes
         if free >= n:
             return True
+        cands = (  # lazy: the LRU order reads only as far as it evicts
+            (ident, self._entry_bytes(entry))
+            for ident, entry in self.index.items()
+            if not self.leases.held(*ident) and not self._in_use(entry)
+        )
         victims = []
-        for ident, entry in self.index.items():
+        for ident, nbytes in self.policy.order(self, cands, ns, n):
             if free >= n:
                 break
-            if not self.leases.held(*ident) and not self._in_use(entry):
-                victims.append(ident)
-                free += self._entry_bytes(entry)
+            victims.append(ident)
+            free += nbytes
         if free < n:
             return False  # nothing is evicted unless it makes enough room
         for ns, key in victims:
@@ -121,11 +149,38 @@ class IndexedTier(BaseTier, Generic[E]):
                 seg = self._evicted(self.index[(ns, key)])
             except SegmentError:
                 self._stats.errors += 1
-        self._remove(ns, key)
+        self._remove(ns, key, forget=False)
         self._stats.evictions += 1
         self._changed("removed", ns, key, why="evicted")
         if seg is not None and self.on_evict is not None:
-            self.on_evict(ns, key, seg)
+            self.on_evict(ns, key, seg)  # the demoter carries the key's hint tags along
+        self.hints.forget(ns, key)
+
+    def hint(
+        self,
+        ns: str,
+        keys: list[bytes],
+        hint: KVHint | None,
+        pin_ttl_s: float = 0.0,
+        held_only: bool = False,
+    ) -> tuple[list[bytes], list[bytes]]:
+        """Advise the tier's HintBook of hint's workflow and tag keys with its agent (held or
+        not yet, unless held_only: a prompt's chunks are tagged before they are saved); soft-pin
+        the keys held for pin_ttl_s (0: no pin). (keys tagged, keys pinned); only ns's
+        entries change rank. Keys are checked by the caller."""
+        held = [k for k in keys if (ns, k) in self.index]
+        tagged = held if held_only else keys
+        if hint is not None:
+            self.hints.advise(ns, hint)
+            for k in tagged:
+                self.hints.tag(ns, k, hint)
+        else:
+            tagged = []
+        if pin_ttl_s <= 0:
+            return tagged, []
+        for k in held:
+            self.hints.pin(ns, k, pin_ttl_s)
+        return tagged, held
 
     # -- the rest of the interface ---------------------------------------------------------
     def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
@@ -149,4 +204,11 @@ class IndexedTier(BaseTier, Generic[E]):
         )
         counts = Counter(ns for ns, _ in self.index)
         invariant(dict(counts) == self.counts, "namespace counts drifted")
+        per_ns: Counter[str] = Counter()
+        for (ns, _), e in self.index.items():
+            per_ns[ns] += self._entry_bytes(e)
+        invariant(dict(per_ns) == self.ns_bytes, "namespace bytes drifted")
+        # Tags may name keys not held (tagged before the put, or carried ahead of a demotion):
+        # the book bounds them (max_items) and drops a key's tags when it leaves this tier.
+        self.hints.check_integrity()
         self._check_entries()

@@ -44,7 +44,7 @@ class Landing:
         need = -(-stop // t.page_bytes) - len(pages)
         if need <= 0:
             return True
-        if not t._make_room(need * t.page_bytes):
+        if not t._make_room(need * t.page_bytes, self.ns):
             return False
         more = t.pages.alloc(need)
         if more is None:

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.storage_backends.buffers import clone_to, copy_into
+from tierkv.storage_backends.hints import KVHint
+from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.leases import LeaseGroup
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace, check_put
 from tierkv.storage_backends.segment import KVSegment
@@ -15,6 +17,7 @@ from tierkv.storage_backends.stats import TierStats
 from tierkv.storage_backends.stream import LayerSink
 from tierkv.storage_backends.stream_merge import Keep, Merge
 from tierkv.storage_backends.tier import ChangeHook, SegmentLayer, Tier
+from tierkv.storage_backends.workflow import Prefetcher, hint_tiers
 from tierkv.storage_backends.write_queue import Job, WriteQueue
 
 
@@ -64,6 +67,30 @@ class TieredStore(Tier):
         )
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._writes.demoter(i)
+        self.prefetcher = Prefetcher(self)
+        books = [t.hints for t in self.tiers if isinstance(t, IndexedTier)]
+        for b in books[1:]:  # one set of workflow tables; tags are per tier, carried on moves
+            b.tables = books[0].tables
+
+    # -- workflow hints (storage_backends.hints, eviction, prefetch) ------------------------
+    def hint(
+        self,
+        keys: Sequence[bytes],
+        ns: str,
+        hint: KVHint | None,
+        pin_ttl_s: float = 0.0,
+        held_only: bool = False,
+    ) -> tuple[int, int]:
+        """Advise every tier with a HintBook of hint's workflow, tag keys with its agent and
+        soft-pin them (pin_ttl_s > 0) where held; (keys tagged, keys pinned in some tier).
+        held_only: tag only keys a tier holds (a shared server, where hints of keys not
+        stored yet would be unbounded by the cache). Only ns's entries change rank."""
+        return hint_tiers(self.tiers, keys, ns, hint, pin_ttl_s, held_only)
+
+    def prefetch(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> int:
+        """Move keys up to tiers[0] in the background (storage_backends.workflow); returns at
+        once with how many it looks for. A get meanwhile reads normally, never waiting."""
+        return self.prefetcher.start(keys, ns)
 
     # -- the Tier interface ----------------------------------------------------------------
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
@@ -213,6 +240,7 @@ class TieredStore(Tier):
         check_namespace(ns)
         # background writes of it not yet done must not bring it back
         moving = self._writes.cancel(ns, check_key(key))
+        self.prefetcher.cancel(ns, key)
         return any([await t.delete(key, ns) for t in self.tiers]) or moving
 
     def lease(
@@ -260,10 +288,12 @@ class TieredStore(Tier):
         return max(t.count(ns) for t in self.tiers)
 
     async def drain(self) -> None:
-        """Wait until every queued background write has run (tests, orderly shutdown)."""
+        """Wait until every queued background write and prefetch has run (tests, shutdown)."""
+        await self.prefetcher.drain()
         await self._writes.drain()
 
     async def close(self) -> None:
+        await self.prefetcher.drain()
         await self._writes.close()
         for t in self.tiers:
             await t.close()

@@ -29,6 +29,7 @@ def test_package_and_services() -> None:
         "Stats": (False, False),
         "DataPlane": (False, False),
         "Watch": (False, True),
+        "Hint": (False, False),
     }
     assert hasattr(tierkv_pb2_grpc, "TierKVStub")
 
