@@ -174,16 +174,16 @@ class Engine:
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
         if kv_hint is not None:
-            self._step_started(kv_hint, req.prompt_token_ids)
+            self._step_started(kv_hint, req.prompt_token_ids, params.cache_salt)
         return req
 
-    def _step_started(self, hint: KVHint, prompt: list[int]) -> None:
+    def _step_started(self, hint: KVHint, prompt: list[int], salt: str | None) -> None:
         """A hinted request starts a workflow step: its table ranks the prefix cache, and the
         next step's agents' prompts are prefetched (the connector's prefetch returns at once)."""
         if self.blocks.tree is not None:
             self.blocks.tree.advise(hint)
-        for agent, tokens in self.steps.step_started(hint, prompt):
-            self.connector.prefetch(tokens, replace(hint, agent=agent))
+        for agent, (tokens, agent_salt) in self.steps.step_started(hint, prompt, salt):
+            self.connector.prefetch(tokens, replace(hint, agent=agent), agent_salt)
 
     def step(self) -> list[Request]:
         """One engine step. Returns the requests that sampled or finished in it; a finished

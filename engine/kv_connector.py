@@ -164,12 +164,14 @@ class KVConnector(ABC):
         nothing."""
         return None
 
-    def prefetch(self, token_ids: list[int], hint: KVHint | None = None) -> None:
-        """Start moving the KV of token_ids' prefix up the connector's tiers, for a request
-        expected soon (the next workflow step's agent). Safety: runs in the background and
-        returns at once (the engine calls it on its own thread, between steps); advice only, a
-        failed or late prefetch leaves a request to load or compute normally. An optional
-        hook: the default does nothing."""
+    def prefetch(
+        self, token_ids: list[int], hint: KVHint | None = None, cache_salt: str | None = None
+    ) -> None:
+        """Start moving the KV of token_ids' prefix (under cache_salt's keys, tagged with hint)
+        up the connector's tiers, for a request expected soon (the next workflow step's agent).
+        Safety: runs in the background and returns at once (the engine calls it on its own
+        thread, between steps); advice only, a failed or late prefetch leaves a request to load
+        or compute normally. An optional hook: the default does nothing."""
         return None
 
     def request_metrics(self, request_id: str) -> dict[str, Any]:

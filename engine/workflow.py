@@ -14,21 +14,24 @@ from dataclasses import dataclass, field
 from tierkv.storage_backends.hints import KVHint
 
 Tag = tuple[str, str]  # (workflow, agent)
+Prompt = tuple[list[int], str | None]  # token ids and cache_salt
 
 
 @dataclass(slots=True)
 class StepPrefetch:
     max_agents: int = 1024  # remembered (workflow, agent) prompts; the oldest goes first
     max_tokens: int = 1 << 16  # of one remembered prompt (its head is what gets reused)
-    prompts: OrderedDict[Tag, list[int]] = field(default_factory=OrderedDict)
+    prompts: OrderedDict[Tag, Prompt] = field(default_factory=OrderedDict)
     # per workflow: the table last seen and the agents prefetched under it (once per step)
     done: OrderedDict[str, tuple[dict[str, int], set[str]]] = field(default_factory=OrderedDict)
 
-    def step_started(self, hint: KVHint, prompt: list[int]) -> list[tuple[str, list[int]]]:
-        """Record prompt as the hint's agent's; returns (agent, prompt) of each agent of the
-        workflow's next step whose prompt is known and not yet prefetched for this step."""
+    def step_started(
+        self, hint: KVHint, prompt: list[int], cache_salt: str | None = None
+    ) -> list[tuple[str, Prompt]]:
+        """Record prompt as the hint's agent's; returns (agent, (prompt, salt)) of each agent of
+        the workflow's next step whose prompt is known and not yet prefetched for this step."""
         tag = (hint.workflow, hint.agent)
-        self.prompts[tag] = list(prompt[: self.max_tokens])
+        self.prompts[tag] = (list(prompt[: self.max_tokens]), cache_salt)
         self.prompts.move_to_end(tag)
         while len(self.prompts) > self.max_agents:
             self.prompts.popitem(last=False)

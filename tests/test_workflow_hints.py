@@ -106,7 +106,12 @@ def test_next_step_agents_are_the_ones_prefetched() -> None:
     steps = StepPrefetch(max_agents=4)
     g = StepGraph((("planner",), ("coder", "tester"), ("reviewer",)), 0, loop=True)
     # The first round: only the planner's prompt is known when its step is next.
-    want: list[list[tuple[str, list[int]]]] = [[], [], [], [("planner", [0])]]
+    want: list[list[tuple[str, tuple[list[int], str | None]]]] = [
+        [],
+        [],
+        [],
+        [("planner", ([0], None))],
+    ]
     got = []
     for at, a in [(0, "planner"), (1, "coder"), (1, "tester"), (2, "reviewer")]:
         h = KVHint("w", a, graph=StepGraph(g.steps, at, True))
@@ -115,11 +120,11 @@ def test_next_step_agents_are_the_ones_prefetched() -> None:
     # Second round, step 0: coder and tester run next, once each per step.
     got = steps.step_started(KVHint("w", "planner", graph=g), [0])
     assert sorted(a for a, _ in got) == ["coder", "tester"]
-    assert dict(got)["tester"] == [9]  # the agent's latest prompt
+    assert dict(got)["tester"] == ([9], None)  # the agent's latest prompt
     assert steps.step_started(KVHint("w", "planner", graph=g), [0]) == []  # same step
     # A table with explicit next uses; another workflow's agents are not its own.
     nu = KVHint("w", "coder", {"reviewer": 1, "planner": 2, "other": 1})
-    assert steps.step_started(nu, [1]) == [("reviewer", [2])]
+    assert steps.step_started(nu, [1], "salt") == [("reviewer", ([2], None))]
     assert steps.step_started(KVHint("v", "x", {"coder": 1}), [5]) == []
     assert len(steps.prompts) <= 4  # bounded
 
