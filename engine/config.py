@@ -128,6 +128,9 @@ class EngineConfig:
     # whose next use, by the requests' workflow hints, is farthest first; LRU among equals and
     # where nothing is hinted). docs/workflows.md.
     eviction: str = "lru"
+    # When a hinted request starts a workflow step, prefetch through the connector the prompts
+    # of the agents of the next step (their last ones seen); off: hints order eviction only.
+    workflow_prefetch: bool = True
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
     # Linear layers compute in: "auto" = fp32 for bf16/fp16 weights on a CPU without native

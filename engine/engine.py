@@ -67,6 +67,7 @@ class Engine:
         blend_gradual: int = 0,
         matmul_dtype: str = "auto",
         eviction: str = "lru",
+        workflow_prefetch: bool = True,
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -84,6 +85,7 @@ class Engine:
             blend_gradual=blend_gradual,
             matmul_dtype=matmul_dtype,
             eviction=eviction,
+            workflow_prefetch=workflow_prefetch,
         )
         # checks the global knobs now
         BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
@@ -182,6 +184,8 @@ class Engine:
         next step's agents' prompts are prefetched (the connector's prefetch returns at once)."""
         if self.blocks.tree is not None:
             self.blocks.tree.advise(hint)
+        if not self.config.workflow_prefetch:
+            return
         for agent, (tokens, agent_salt) in self.steps.step_started(hint, prompt, salt):
             self.connector.prefetch(tokens, replace(hint, agent=agent), agent_salt)
 

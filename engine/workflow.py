@@ -2,39 +2,58 @@
 
 The hint's steps-to-next-use table goes to the prefix cache's eviction (RadixTree.advise), and
 the agents of the next step (steps-to-next-use 1) get their prompts prefetched through the
-connector: the prompt of each (workflow, agent)'s last hinted request is remembered, bounded,
-as the best guess of its next one (an agent's fixed system prompt leads it).
+connector. The prompt of each (workflow, agent)'s last hinted request is remembered, bounded,
+as the best guess of its next one (an agent's fixed system prompt leads it); an agent the
+workflow has not run yet takes the last prompt of the same agent name under the same
+cache_salt in any workflow (the agents of one application serve many workflows).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from tierkv.storage_backends.hints import KVHint
 
-Tag = tuple[str, str]  # (workflow, agent)
 Prompt = tuple[list[int], str | None]  # token ids and cache_salt
+K = TypeVar("K")
+
+
+@dataclass(slots=True)
+class Bounded(Generic[K]):
+    """The latest max_items values by key; the least recently set goes first."""
+
+    max_items: int
+    items: OrderedDict[K, Prompt] = field(default_factory=OrderedDict)
+
+    def set(self, key: K, value: Prompt) -> None:
+        self.items[key] = value
+        self.items.move_to_end(key)
+        while len(self.items) > self.max_items:
+            self.items.popitem(last=False)
 
 
 @dataclass(slots=True)
 class StepPrefetch:
-    max_agents: int = 1024  # remembered (workflow, agent) prompts; the oldest goes first
+    max_agents: int = 1024  # remembered prompts, per (workflow, agent) and per (agent, salt)
     max_tokens: int = 1 << 16  # of one remembered prompt (its head is what gets reused)
-    prompts: OrderedDict[Tag, Prompt] = field(default_factory=OrderedDict)
+    by_workflow: Bounded[tuple[str, str]] = field(default_factory=lambda: Bounded(1024))
+    by_agent: Bounded[tuple[str, str | None]] = field(default_factory=lambda: Bounded(1024))
     # per workflow: the table last seen and the agents prefetched under it (once per step)
     done: OrderedDict[str, tuple[dict[str, int], set[str]]] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        self.by_workflow.max_items = self.by_agent.max_items = self.max_agents
 
     def step_started(
         self, hint: KVHint, prompt: list[int], cache_salt: str | None = None
     ) -> list[tuple[str, Prompt]]:
         """Record prompt as the hint's agent's; returns (agent, (prompt, salt)) of each agent of
         the workflow's next step whose prompt is known and not yet prefetched for this step."""
-        tag = (hint.workflow, hint.agent)
-        self.prompts[tag] = (list(prompt[: self.max_tokens]), cache_salt)
-        self.prompts.move_to_end(tag)
-        while len(self.prompts) > self.max_agents:
-            self.prompts.popitem(last=False)
+        mine = (list(prompt[: self.max_tokens]), cache_salt)
+        self.by_workflow.set((hint.workflow, hint.agent), mine)
+        self.by_agent.set((hint.agent, cache_salt), mine)
         steps = hint.steps()
         table, sent = self.done.get(hint.workflow, (None, set()))
         if table != steps:  # a step started: nothing prefetched for it yet
@@ -45,8 +64,11 @@ class StepPrefetch:
             self.done.popitem(last=False)
         out = []
         for agent, d in steps.items():
-            known = self.prompts.get((hint.workflow, agent))
-            if d == 1 and known is not None and agent not in sent:
+            if d != 1 or agent in sent:
+                continue
+            known = self.by_workflow.items.get((hint.workflow, agent))
+            known = known or self.by_agent.items.get((agent, cache_salt))
+            if known is not None:
                 sent.add(agent)
                 out.append((agent, known))
         return out

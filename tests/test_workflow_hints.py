@@ -103,7 +103,7 @@ def test_generate_takes_one_hint_a_list_or_kvhints(llm: LLM) -> None:
 
 
 def test_next_step_agents_are_the_ones_prefetched() -> None:
-    steps = StepPrefetch(max_agents=4)
+    steps = StepPrefetch(max_agents=6)
     g = StepGraph((("planner",), ("coder", "tester"), ("reviewer",)), 0, loop=True)
     # The first round: only the planner's prompt is known when its step is next.
     want: list[list[tuple[str, tuple[list[int], str | None]]]] = [
@@ -122,11 +122,13 @@ def test_next_step_agents_are_the_ones_prefetched() -> None:
     assert sorted(a for a, _ in got) == ["coder", "tester"]
     assert dict(got)["tester"] == ([9], None)  # the agent's latest prompt
     assert steps.step_started(KVHint("w", "planner", graph=g), [0]) == []  # same step
-    # A table with explicit next uses; another workflow's agents are not its own.
+    # A table with explicit next uses: unknown agents are skipped.
     nu = KVHint("w", "coder", {"reviewer": 1, "planner": 2, "other": 1})
     assert steps.step_started(nu, [1], "salt") == [("reviewer", ([2], None))]
-    assert steps.step_started(KVHint("v", "x", {"coder": 1}), [5]) == []
-    assert len(steps.prompts) <= 4  # bounded
+    # Another workflow falls back to the agent's last prompt under the same salt only.
+    assert steps.step_started(KVHint("v", "x", {"coder": 1}), [5]) == [("coder", ([1], None))]
+    assert steps.step_started(KVHint("u", "x", {"tester": 1}), [5], "other") == []
+    assert len(steps.by_workflow.items) <= 6 and len(steps.by_agent.items) <= 6  # bounded
 
 
 def post(url: str, body: Any) -> tuple[int, Any]:
