@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from bench.common import parser, print_table, write_results
 from bench.models import bench_model
-from bench.workflow_report import SYSTEMS, goals, plot
+from bench.workflow_report import SYSTEMS, goals, plotter
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.gguf_loader import load_tokenizer
@@ -83,7 +83,8 @@ def next_use(steps: list[str], i: int) -> dict[str, int]:
     return out
 
 
-def build(system: str, mem: dict[str, int], tmp: str) -> tuple[LLM, TierKVConnector]:
+def build(system: str, mem: dict[str, int], tmp: str | None) -> tuple[LLM, TierKVConnector]:
+    """tmp None: no disk tier (what the cpu tier evicts is recomputed when needed again)."""
     hinted = "lru" if system == "lru" else "hinted"
     tiers = TiersConfig(
         cpu_bytes=mem["cpu_bytes"], disk_dir=tmp, disk_bytes="8GiB", eviction=hinted
@@ -106,7 +107,7 @@ def run_case(
     """n_wf workflows at once; each submits its next step when its last one ends."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        llm, conn = build(system, mem, tmp)
+        llm, conn = build(system, mem, tmp if args.slow == "disk" else None)
         try:
             for a in AGENTS:  # each prompt once, untimed: the disk tier holds them all
                 hint = None if system == "lru" else KVHint("warm-up", a, {a: MAX_STEPS})
@@ -199,6 +200,12 @@ def main() -> None:
     global MODEL, TOK, TURN, TASKS
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--concurrent", type=int, default=0, help="workflows at once (8; --quick 2)")
+    p.add_argument(
+        "--slow",
+        choices=("disk", "none"),
+        default="disk",
+        help="below the cpu tier: a disk tier holding every prompt, or none (recomputed)",
+    )
     p.add_argument("--max-tokens", type=int, default=0, help="answer tokens (12; --quick 6)")
     args = p.parse_args()
     args.concurrent = args.concurrent or (2 if args.quick else 8)
@@ -218,7 +225,8 @@ def main() -> None:
             bar.update(1)
     bar.close()
     print_table(rows)
-    write_results("workflow", config(args, plen), rows, goals(rows, args.concurrent), plot)
+    name = "workflow" if args.slow == "disk" else "workflow_recompute"
+    write_results(name, config(args, plen), rows, goals(rows, args.concurrent), plotter(rows))
 
 
 def chat_ids(tok: Tokenizer, system: str) -> list[int]:
@@ -242,7 +250,8 @@ def config(args: Any, plen: int) -> dict[str, Any]:
         concurrent=args.concurrent,
         max_tokens=args.max_tokens,
         quick=args.quick,
-        tiers="engine blocks, cpu tier, disk tier (holds all)",
+        tiers="engine blocks, cpu tier"
+        + (", disk tier (holds all)" if args.slow == "disk" else ""),
     )
 
 

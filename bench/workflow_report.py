@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import Any
 
-from bench.common import RESULTS, goal
+from bench.common import goal
 
 SYSTEMS = ("lru", "hints", "hints+prefetch")
 
@@ -42,8 +42,12 @@ def goals(rows: list[dict[str, Any]], conc: int) -> list[dict[str, Any]]:
     return out
 
 
-def plot(ax: Any) -> None:
-    rows = json.loads((RESULTS / "workflow.json").read_text())["rows"]
+def plotter(rows: list[dict[str, Any]]) -> Callable[[Any], None]:
+    """Draws the end-to-end time of each system, per memory size and concurrency."""
+    return lambda ax: plot(ax, rows)
+
+
+def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     labels = sorted({(r["memory"], r["workflows"]) for r in rows})
     width = 0.8 / len(SYSTEMS)
     for k, system in enumerate(SYSTEMS):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -175,19 +174,16 @@ class Engine:
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
-        if kv_hint is not None:
-            self._step_started(kv_hint, req.prompt_token_ids, params.cache_salt)
+        if kv_hint is not None:  # a workflow step starts (engine/workflow.py)
+            self.steps.start(
+                kv_hint,
+                req.prompt_token_ids,
+                params.cache_salt,
+                self.blocks,
+                self.connector,
+                self.config.workflow_prefetch,
+            )
         return req
-
-    def _step_started(self, hint: KVHint, prompt: list[int], salt: str | None) -> None:
-        """A hinted request starts a workflow step: its table ranks the prefix cache, and the
-        next step's agents' prompts are prefetched (the connector's prefetch returns at once)."""
-        if self.blocks.tree is not None:
-            self.blocks.tree.advise(hint)
-        if not self.config.workflow_prefetch:
-            return
-        for agent, (tokens, agent_salt) in self.steps.step_started(hint, prompt, salt):
-            self.connector.prefetch(tokens, replace(hint, agent=agent), agent_salt)
 
     def step(self) -> list[Request]:
         """One engine step. Returns the requests that sampled or finished in it; a finished

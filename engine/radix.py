@@ -129,6 +129,19 @@ class RadixTree:
             node, i = child, i + k
         return blocks, node
 
+    def peek(self, tokens: list[int]) -> Node:
+        """The deepest node whose whole run is a prefix of tokens; changes nothing (no split,
+        no access time, no stats)."""
+        bs, n = self.block_size, len(tokens) // self.block_size
+        node, i = self.root, 0
+        while i < n:
+            child = node.children.get(tuple(tokens[i * bs : (i + 1) * bs]))
+            k = len(child.blocks) if child is not None else 0
+            if child is None or i + k > n or child.key != tuple(tokens[i * bs : (i + k) * bs]):
+                break
+            node, i = child, i + k
+        return node
+
     def match(self, tokens: list[int]) -> tuple[list[int], Node]:
         """Blocks holding the longest cached block-aligned prefix of tokens, and its deepest node
         (split so that the node ends exactly at the match). The caller locks the node."""

@@ -11,10 +11,16 @@ cache_salt in any workflow (the agents of one application serve many workflows).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from tierkv.storage_backends.hints import KVHint
+
+if TYPE_CHECKING:
+    from tierkv.engine.block_manager import BlockManager
+    from tierkv.engine.kv_connector import KVConnector
+
+MAX_TAGGED = 16  # agents of a table whose cached prompts are tagged, the soonest first
 
 Prompt = tuple[list[int], str | None]  # token ids and cache_salt
 K = TypeVar("K")
@@ -46,6 +52,35 @@ class StepPrefetch:
     def __post_init__(self) -> None:
         self.by_workflow.max_items = self.by_agent.max_items = self.max_agents
 
+    def start(
+        self,
+        hint: KVHint,
+        prompt: list[int],
+        cache_salt: str | None,
+        blocks: BlockManager,
+        connector: KVConnector,
+        prefetch: bool,
+    ) -> None:
+        """A hinted request starts a step: its table ranks the prefix cache, the cached prompts
+        of the agents it names are tagged (an agent's nodes rank by this workflow's table even
+        before it runs in it: agents serve many workflows), and the next step's agents'
+        prompts are prefetched (the connector's prefetch returns at once)."""
+        if blocks.tree is not None:
+            blocks.tree.advise(hint)
+            soonest = sorted(hint.steps().items(), key=lambda kv: kv[1])[:MAX_TAGGED]
+            for agent, _ in soonest:
+                known = self.latest(hint.workflow, agent, cache_salt)
+                if agent != hint.agent and known is not None:
+                    blocks.tag_prompt(known[0], known[1], replace(hint, agent=agent))
+        for agent, (tokens, salt) in self.step_started(hint, prompt, cache_salt):
+            if prefetch:
+                connector.prefetch(tokens, replace(hint, agent=agent), salt)
+
+    def latest(self, workflow: str, agent: str, cache_salt: str | None) -> Prompt | None:
+        """The agent's last prompt in the workflow, else in any workflow under cache_salt."""
+        known = self.by_workflow.items.get((workflow, agent))
+        return known or self.by_agent.items.get((agent, cache_salt))
+
     def step_started(
         self, hint: KVHint, prompt: list[int], cache_salt: str | None = None
     ) -> list[tuple[str, Prompt]]:
@@ -66,8 +101,7 @@ class StepPrefetch:
         for agent, d in steps.items():
             if d != 1 or agent in sent:
                 continue
-            known = self.by_workflow.items.get((hint.workflow, agent))
-            known = known or self.by_agent.items.get((agent, cache_salt))
+            known = self.latest(hint.workflow, agent, cache_salt)
             if known is not None:
                 sent.add(agent)
                 out.append((agent, known))

@@ -156,3 +156,32 @@ def test_a_shared_prefix_ranks_by_its_soonest_agent_and_untagged_goes_first() ->
     assert t.rank(shared) == 1  # the split prefix kept its tags
     assert math.isinf(t.rank(Node()))
     t.check_integrity()
+
+
+def test_a_workflow_ranks_an_agents_cached_prompt_before_that_agent_runs_in_it() -> None:
+    """Agents serve many workflows: workflow w2's table ranks the reviewer's prompt, cached by
+    w1, through tag_prompt (a peek that changes nothing else)."""
+    from tierkv.engine.block_manager import BlockManager, salted_key
+    from tierkv.engine.kv_connector import NoOpConnector
+    from tierkv.engine.workflow import StepPrefetch
+
+    bm = BlockManager(64, BS, eviction="hinted")
+    t = bm.tree
+    assert t is not None
+    rev, cod = path(3, 0, True), path(1, 0, True)
+    node, _ = t.insert(rev, [0, 1, 2, 3])
+    t.tag(node, KVHint("w1", "a3", {"a3": 0}))
+    t.insert(cod, [4, 5, 6, 7, 8])
+    before = ([n.last_access for n in t.nodes()], t.stats.queries, len(t.nodes()))
+    assert t.peek(rev + [99] * BS) is node and t.peek([7] * BS) is t.root
+    assert t.peek(rev[: 3 * BS]) is not node  # a node is reached only whole
+    assert before == ([n.last_access for n in t.nodes()], t.stats.queries, len(t.nodes()))
+    steps = StepPrefetch()
+    steps.step_started(KVHint("w1", "a3", {"a3": 0}), rev)  # w1 ran the reviewer
+    w2 = KVHint("w2", "a1", {"a1": 0, "a3": 1})
+    assert math.isinf(t.rank(node)) or t.rank(node) == 0
+    steps.start(w2, cod, None, bm, NoOpConnector(), prefetch=False)
+    t.advise(KVHint("w1", "a3", {"a3": 9}))  # w1 needs it late, w2 soon: the soonest wins
+    assert t.rank(node) == 1
+    assert salted_key([5, 6], None) == [5, 6] and salted_key([5, 6], "s")[0] < 0
+    t.check_integrity()
