@@ -19,7 +19,10 @@ prefix cache, the cpu tier, the disk tier or recomputed, bytes loaded and prefet
 share of warned steps (every step after the first) that start warm (the system prompt in the
 blocks or the cpu tier). vLLM's prefix caching is not in this bench.
 
-    python -m bench.workflow [--quick] [--concurrent 8]
+--slow none drops the disk tier (what the cpu tier evicts is recomputed; results in
+bench/results/workflow_recompute.json).
+
+    python -m bench.workflow [--quick] [--concurrent 8] [--slow disk|none]
 """
 
 from __future__ import annotations
