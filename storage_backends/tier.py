@@ -110,8 +110,8 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     async def put(self, key: bytes, segment: KVSegment, ns: str = DEFAULT_NAMESPACE) -> bool:
-        """Store a copy; True when stored. May evict unleased entries, least recently used
-        first."""
+        """Store a copy; True when stored. May evict unleased entries, in the tier's eviction
+        order (storage_backends.eviction: least recently used first unless configured)."""
 
     @abc.abstractmethod
     async def delete(self, key: bytes, ns: str = DEFAULT_NAMESPACE) -> bool: ...

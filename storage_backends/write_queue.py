@@ -47,8 +47,8 @@ class WriteQueue:
         """tiers[i]'s on_evict: the evicted segment is queued for tiers[i + 1]."""
 
         def demote(ns: str, key: bytes, segment: KVSegment) -> None:
-            carry_hints(self.tiers[i], self.tiers[i + 1], ns, key)  # priorities move with KV
             if self.put(Job(ns, key, segment, i, [i + 1], check=True)):
+                carry_hints(self.tiers[i], self.tiers[i + 1], ns, key)  # priorities move with KV
                 self.stats.demoted += 1
                 self.moving[(ns, key)] = (segment, i + 1)
 

@@ -10,10 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tierkv.cacheserver.cli import build_store
+from tierkv.cacheserver.config import load
 from tierkv.storage_backends.build import ConfigError, TiersConfig
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
-from tierkv.storage_backends.eviction import make_policy
+from tierkv.storage_backends.eviction import HintedPolicy, QuotaPolicy, make_policy
 from tierkv.storage_backends.hints import KVHint, parse_hint
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import TieredStore
@@ -153,6 +155,25 @@ async def test_quota_knobs_are_checked() -> None:
     assert TiersConfig(quotas="a=1GiB,*=10%").quotas == {"a": "1GiB", "*": "10%"}
     with pytest.raises(ValueError, match="quotas"):
         make_policy("lru", {"a": "150%"}, 1000)
+
+
+async def test_the_server_knobs_build_quota_tiers(tmp_path) -> None:
+    env = {
+        "TIERKV_EVICTION": "hinted",
+        "TIERKV_QUOTAS": "a=50%,*=1MiB",
+        "TIERKV_CPU_BYTES": "8MiB",
+        "TIERKV_DISK_BYTES": "0",
+        "TIERKV_CACHE_DIR": str(tmp_path),
+    }
+    store = build_store(load(None, env))
+    [t] = store.tiers
+    assert isinstance(t, CpuTier) and isinstance(t.policy, QuotaPolicy)
+    assert isinstance(t.policy.inner, HintedPolicy)
+    assert t.policy.shares == {"a": 4 << 20, "*": 1 << 20}
+    assert t.policy.share("zz") == 1 << 20
+    with pytest.raises(ConfigError, match="quotas"):
+        load(None, {**env, "TIERKV_QUOTAS": "a"})
+    await store.close()
 
 
 async def test_demoted_entries_keep_their_tags_in_the_slower_tier(tmp_path) -> None:

@@ -121,6 +121,8 @@ async def test_hint_tags_pins_and_stays_in_its_namespace(server) -> None:
             "hint_json.graph.steps",
         ),
         (pb.HintRequest(hint_json=json.dumps({**HINT, "extra": 1})), "hint_json.extra"),
+        (pb.HintRequest(hint_json=json.dumps({**HINT, "workflow": "w" * 70000})), "hint_json"),
+        (pb.HintRequest(hint_json="[" * 100000 + "]" * 100000), "hint_json"),
         (pb.HintRequest(hint_json=json.dumps(HINT), keys=[b"short"]), "keys[0]"),
         (pb.HintRequest(hint_json=json.dumps(HINT), keys=[key(i) for i in range(5000)]), "keys"),
         (pb.HintRequest(keys=[key(0)], pin_ttl_s=-1.0), "pin_ttl_s"),
