@@ -185,3 +185,50 @@ def test_a_workflow_ranks_an_agents_cached_prompt_before_that_agent_runs_in_it()
     assert t.rank(node) == 1
     assert salted_key([5, 6], None) == [5, 6] and salted_key([5, 6], "s")[0] < 0
     t.check_integrity()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["run", "free", "advise"]),
+            st.integers(0, 4),
+            st.integers(0, 3),
+            st.dictionaries(st.sampled_from(AGENTS), st.integers(0, 6), min_size=1),
+        ),
+        max_size=40,
+    )
+)
+def test_block_accounting_balances_under_hinted_eviction(script: list[tuple]) -> None:
+    """Sequences of hinted agents through the BlockManager of a small cache: matched, allocated
+    (evicting by next use), cached and freed; reference counts and the free list always agree
+    with the block tables and the tree, and the tree's book tags only nodes it holds."""
+    from tierkv.engine.block_manager import BlockManager
+    from tierkv.engine.sampling_params import SamplingParams
+    from tierkv.engine.sequence import Sequence
+
+    bm = BlockManager(24, BS, eviction="hinted")
+    assert bm.tree is not None
+    live: list[Sequence] = []
+    for n, (op, agent, turn, table) in enumerate(script):
+        if op == "run":
+            toks = path(agent, turn, agent % 2 == 0) + [7]
+            seq = Sequence(n, str(n), str(n), toks, len(toks), SamplingParams())
+            seq.kv_hint = KVHint("w", AGENTS[agent], table)
+            bm.tree.advise(seq.kv_hint)
+            bm.match_prefix(seq)
+            if bm.allocate(seq, len(seq)) is None:
+                bm.free_seq(seq)  # nothing fits: it waits, holding nothing
+            else:
+                seq.num_computed_tokens = len(seq)
+                bm.cache_blocks(seq)
+                live.append(seq)
+        elif op == "free" and live:
+            bm.free_seq(live.pop(turn % len(live)))
+        else:
+            bm.tree.advise(KVHint("w", AGENTS[agent], table))
+        bm.check_integrity(live)
+    for s in live:
+        bm.free_seq(s)
+    bm.check_integrity([])
+    assert bm.num_available() == bm.num_blocks
