@@ -24,7 +24,7 @@ ALLOWED = {
     "storage_backends": set(),
     "proto": set(),
     "cacheserver": {"storage_backends", "proto"},
-    "engine": {"kernels"},
+    "engine": {"kernels", "storage_backends"},  # storage_backends: the workflow hints only
     "connector": {"kernels", "storage_backends", "cacheserver", "engine"},
     "vllm": {"connector", "storage_backends", "kernels"},
 }

@@ -14,14 +14,18 @@ import xxhash
 from tierkv.engine.invariants import invariant
 from tierkv.engine.radix import RadixTree
 from tierkv.engine.sequence import Sequence
+from tierkv.storage_backends.hints import KVHint
 
 
 def tree_key(seq: Sequence, n: int) -> list[int]:
-    """The prefix cache's key for seq's first n tokens. A cache_salt replaces the first token
-    by a negative number (token ids are >= 0) drawn from the salt and that token: the whole
-    chain under it is then shared only by requests with the same salt."""
-    key = seq.token_ids[:n]
-    salt = seq.params.cache_salt
+    """The prefix cache's key for seq's first n tokens."""
+    return salted_key(seq.token_ids[:n], seq.params.cache_salt)
+
+
+def salted_key(key: list[int], salt: str | None) -> list[int]:
+    """The prefix cache's key for tokens under salt. A cache_salt replaces the first token by a
+    negative number (token ids are >= 0) drawn from the salt and that token: the whole chain
+    under it is then shared only by requests with the same salt."""
     if salt is not None and key:
         digest = xxhash.xxh3_64_intdigest(f"{salt}\x00{key[0]}".encode())
         key = [-1 - (digest >> 1), *key[1:]]
@@ -30,7 +34,11 @@ def tree_key(seq: Sequence, n: int) -> list[int]:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        eviction: str = "lru",
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"need at least one KV block, got {num_blocks}")
@@ -38,7 +46,7 @@ class BlockManager:
         self.block_size = block_size
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
-        self.tree = RadixTree(block_size) if enable_prefix_caching else None
+        self.tree = RadixTree(block_size, eviction) if enable_prefix_caching else None
 
     def num_available(self) -> int:
         """Blocks an allocation can get: free ones plus those only the prefix cache holds."""
@@ -85,6 +93,8 @@ class BlockManager:
             return 0
         n = len(seq) - 1 if limit is None else min(len(seq) - 1, limit)
         blocks, node = self.tree.match(tree_key(seq, n))
+        if seq.kv_hint is not None:
+            self.tree.tag(node, seq.kv_hint)
         self.tree.lock(node)
         seq.lock = node
         for b in blocks:
@@ -119,6 +129,8 @@ class BlockManager:
         node, adopted = self.tree.insert(tree_key(seq, n * self.block_size), seq.block_table[:n])
         for b in adopted:
             self.ref[b] += 1
+        if seq.kv_hint is not None:
+            self.tree.tag(node, seq.kv_hint)
         self.tree.lock(node)
         if seq.lock is not None:
             self.tree.unlock(seq.lock)
@@ -144,6 +156,14 @@ class BlockManager:
             assert self.tree is not None  # a lock is a node of the prefix cache
             self.tree.unlock(seq.lock)
         seq.block_table, seq.lock, seq.num_indexed_blocks = [], None, 0
+
+    def tag_prompt(self, tokens: list[int], salt: str | None, hint: KVHint) -> None:
+        """The cached nodes of a prompt (as far as the tree holds it) hold hint's agent's KV:
+        a workflow's table then ranks them even before that agent runs in it."""
+        if self.tree is not None and self.tree.book is not None:
+            node = self.tree.peek(salted_key(tokens, salt))
+            if node is not self.tree.root:
+                self.tree.tag(node, hint)
 
     def release_blocks(self, blocks: list[int]) -> None:
         """Drop refs a connector held past request_finished (see KVConnector.request_finished)."""

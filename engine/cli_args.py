@@ -60,6 +60,12 @@ def engine_options() -> argparse.ArgumentParser:
         action="store_true",
         help="turn off the engine's automatic prefix caching (default: on)",
     )
+    g.add_argument(
+        "--eviction",
+        choices=("lru", "hinted"),
+        default=knob_default(ec, "eviction"),
+        help=knob_help(ec, "eviction"),
+    )
     c = g.add_argument_group("KV connector (tierkv tiers)")
     c.add_argument(
         "--kv-connector",

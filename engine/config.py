@@ -124,6 +124,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256  # most sequences in one step
     enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
+    # The prefix cache's eviction: "lru" (least recently used leaf first) or "hinted" (the leaf
+    # whose next use, by the requests' workflow hints, is farthest first; LRU among equals and
+    # where nothing is hinted). docs/workflows.md.
+    eviction: str = "lru"
+    # When a hinted request starts a workflow step, prefetch through the connector the prompts
+    # of the agents of the next step (their last ones seen); off: hints order eviction only.
+    workflow_prefetch: bool = True
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
     # Linear layers compute in: "auto" = fp32 for bf16/fp16 weights on a CPU without native
@@ -160,5 +167,7 @@ class EngineConfig:
             )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.eviction not in ("lru", "hinted"):
+            raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")

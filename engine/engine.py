@@ -23,6 +23,8 @@ from tierkv.engine.sampler import sample
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.scheduler import Scheduler
 from tierkv.engine.sequence import Sequence
+from tierkv.engine.workflow import StepPrefetch
+from tierkv.storage_backends.hints import KVHint
 
 # One prompt: text, token ids, or PromptParts (a CacheBlend prompt in parts).
 Prompt = str | list[int] | list[PromptPart]
@@ -63,6 +65,8 @@ class Engine:
         blend_metric: str = "k",
         blend_gradual: int = 0,
         matmul_dtype: str = "auto",
+        eviction: str = "lru",
+        workflow_prefetch: bool = True,
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -79,6 +83,8 @@ class Engine:
             blend_metric=blend_metric,
             blend_gradual=blend_gradual,
             matmul_dtype=matmul_dtype,
+            eviction=eviction,
+            workflow_prefetch=workflow_prefetch,
         )
         # checks the global knobs now
         BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
@@ -95,7 +101,10 @@ class Engine:
             self.connector,
             self.device,
         )
-        self.blocks = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.blocks = BlockManager(
+            self.runner.num_blocks, block_size, enable_prefix_caching, self.config.eviction
+        )
+        self.steps = StepPrefetch()  # workflow steps: the next step's agents' prompts
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
             self.config,
@@ -135,11 +144,16 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def add_request(
-        self, request_id: str | None, prompt: Prompt, params: SamplingParams
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams,
+        kv_hint: KVHint | None = None,
     ) -> Request:
         """Queue prompt for params.n samples; request_id None takes a number unique for the
         engine's life. A bad prompt raises ValueError and changes nothing. The Request returned
-        is updated by every step."""
+        is updated by every step. kv_hint (advice): the workflow step it runs for; it orders the
+        prefix cache's eviction ("hinted") and prefetches the next step's agents' prompts."""
         rid = str(self._next_id) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is in use")
@@ -154,11 +168,21 @@ class Engine:
         tokens = cast("list[int]", prompt)  # every element checked just above
         req = Request(rid, list(tokens), params)
         seq = self._new_seq(req, 0)
+        seq.kv_hint = kv_hint
         if spans is not None and self.supports_segments:
             seq.blend = BlendState(spans, prefix_len, self._blend_params(params))
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
+        if kv_hint is not None:  # a workflow step starts (engine/workflow.py)
+            self.steps.start(
+                kv_hint,
+                req.prompt_token_ids,
+                params.cache_salt,
+                self.blocks,
+                self.connector,
+                self.config.workflow_prefetch,
+            )
         return req
 
     def step(self) -> list[Request]:
@@ -181,6 +205,7 @@ class Engine:
             if seq.params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0:
                 for k in range(1, seq.params.n):  # the other samples share this prompt's KV
                     child = self._new_seq(self.requests[seq.group], k)
+                    child.kv_hint = seq.kv_hint
                     children.append((seq, child))
                     rows.append(i)
                     seqs.append(child)

@@ -36,6 +36,7 @@ import torch
 
 if TYPE_CHECKING:
     from tierkv.engine.blend_step import BlendState
+    from tierkv.storage_backends.hints import KVHint
 
 
 class ConnectorRequest(Protocol):
@@ -55,6 +56,8 @@ class ConnectorRequest(Protocol):
     def cache_salt(self) -> str | None: ...  # KV is shared only under the same salt
     @property
     def blend(self) -> BlendState | None: ...  # a prompt in parts (segments, ingest)
+    @property
+    def kv_hint(self) -> KVHint | None: ...  # the workflow step it runs for, or None
 
 
 class ConnectorStep(Protocol):
@@ -159,6 +162,16 @@ class KVConnector(ABC):
     def flush(self) -> None:
         """Block until every save started so far is stored. An optional hook: the default does
         nothing."""
+        return None
+
+    def prefetch(
+        self, token_ids: list[int], hint: KVHint | None = None, cache_salt: str | None = None
+    ) -> None:
+        """Start moving the KV of token_ids' prefix (under cache_salt's keys, tagged with hint)
+        up the connector's tiers, for a request expected soon (the next workflow step's agent).
+        Safety: runs in the background and returns at once (the engine calls it on its own
+        thread, between steps); advice only, a failed or late prefetch leaves a request to load
+        or compute normally. An optional hook: the default does nothing."""
         return None
 
     def request_metrics(self, request_id: str) -> dict[str, Any]:

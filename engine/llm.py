@@ -4,7 +4,7 @@ step the engine until they are done; ingest() stores segments' KV ahead of their
 from __future__ import annotations
 
 import time
-from typing import cast
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -14,6 +14,24 @@ from tierkv.engine.engine import Engine, Prompt
 from tierkv.engine.outputs import RequestOutput
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
+from tierkv.storage_backends.hints import KVHint, parse_hint
+
+# One workflow hint for every prompt, or one per prompt (None: unhinted); a hint is a KVHint or
+# its JSON form (a dict, checked by parse_hint: HintError names the bad field).
+Hints = KVHint | dict[str, Any] | list[KVHint | dict[str, Any] | None] | None
+
+
+def hints_for(kv_hints: Hints, n: int) -> list[KVHint | None]:
+    """kv_hints as one KVHint (or None) per prompt; raises HintError or ValueError, changing
+    nothing, when one is malformed or the count is off."""
+    if not isinstance(kv_hints, list):
+        kv_hints = [kv_hints] * n
+    elif len(kv_hints) != n:
+        raise ValueError(f"{len(kv_hints)} kv_hints for {n} prompts")
+    return [
+        h if h is None or isinstance(h, KVHint) else parse_hint(h, f"kv_hints[{i}]")
+        for i, h in enumerate(kv_hints)
+    ]
 
 
 def is_parts(prompt: Prompt) -> bool:
@@ -29,12 +47,16 @@ class LLM(Engine):
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        kv_hints: Hints = None,
     ) -> list[RequestOutput]:
+        """kv_hints: the workflow step of the prompts (docs/workflows.md), advice only: the
+        outputs are the same with or without."""
         # One prompt or a list of them, told apart by the first element.
         one = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, PromptPart))
         )
         batch = cast("list[Prompt]", [prompts] if one else prompts)
+        hints = hints_for(kv_hints, len(batch))  # checked before anything runs
         segmented = [cast("list[PromptPart]", p) for p in batch if is_parts(p)]
         if segmented and self.supports_segments:
             # Each reusable segment's KV must be stored before a blend can load it: standalone,
@@ -48,7 +70,7 @@ class LLM(Engine):
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
-        reqs = [self.add_request(None, p, sp) for p, sp in zip(batch, plist)]
+        reqs = [self.add_request(None, p, sp, h) for p, sp, h in zip(batch, plist, hints)]
         bar = tqdm(total=sum(sp.n for sp in plist), desc="generate", disable=not use_tqdm)
         finished = 0
         while self.has_unfinished():
@@ -65,6 +87,7 @@ class LLM(Engine):
         messages: list[Message] | list[list[Message]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        kv_hints: Hints = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation ([{"role", "content"}, ...]) or to a list of them, each
         rendered by the checkpoint's chat template; replies end at the checkpoint's EOS."""
@@ -73,7 +96,7 @@ class LLM(Engine):
         one = bool(messages) and isinstance(messages[0], dict)
         convs = cast("list[list[Message]]", [messages] if one else messages)
         prompts: list[Prompt] = [self.chat_prompt(c) for c in convs]
-        return self.generate(prompts, params, use_tqdm)
+        return self.generate(prompts, params, use_tqdm, kv_hints)
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         """The token ids of messages rendered by the chat template, ready for the reply."""

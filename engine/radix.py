@@ -4,15 +4,27 @@ Each edge holds a run of whole blocks (its key is len(blocks) * block_size token
 knows block ids only; the BlockManager owns their reference counts (the tree holds one ref on
 each block it indexes). A node is locked while a running sequence uses it; locks count up to
 the root, so an unlocked node has no locked descendant and only unlocked leaves are evicted.
+
+Eviction policy ("lru" or "hinted"): LRU takes the least recently used leaf. "hinted" keeps a
+HintBook of workflow hints (storage_backends.hints): the nodes on a hinted request's path are
+tagged with its (workflow, agent), and the leaf whose next use is farthest goes first (a prefix
+shared by agents takes the soonest of theirs; untagged nodes count as never used again), LRU
+breaking ties. Without hints both pick the same victims.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tierkv.engine.invariants import invariant
+from tierkv.storage_backends.hint_book import HintBook
+from tierkv.storage_backends.hints import KVHint
+
+EVICTIONS = ("lru", "hinted")
+NS = ""  # the engine's prefix cache is one namespace (cache_salt already splits its keys)
 
 
 @dataclass(slots=True, eq=False)
@@ -43,13 +55,34 @@ ChangeHook = Callable[[str, tuple[int, ...], int], None]
 
 
 class RadixTree:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, eviction: str = "lru") -> None:
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
         self.block_size = block_size
         self.root = Node()
         self.num_blocks = 0
         self.stats = RadixStats()
         self._clock = 0
         self.on_change: ChangeHook | None = None
+        self.book: HintBook[Node] | None = HintBook() if eviction == "hinted" else None
+
+    def advise(self, hint: KVHint) -> None:
+        """The hint's workflow table replaces the one the tree had (a step started)."""
+        if self.book is not None:
+            self.book.advise(NS, hint)
+
+    def tag(self, node: Node, hint: KVHint) -> None:
+        """node and its ancestors hold KV of the hint's agent."""
+        if self.book is None:
+            return
+        n: Node | None = node
+        while n is not None and n is not self.root:
+            self.book.tag(NS, n, hint)
+            n = n.parent
+
+    def rank(self, node: Node, now: float | None = None) -> float:
+        """Steps until node is needed next (hinted); 0 for every node under LRU."""
+        return 0.0 if self.book is None else self.book.rank(NS, node, now)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -65,6 +98,9 @@ class RadixTree:
         node.parent.children[node.key[: self.block_size]] = upper
         node.key, node.blocks, node.parent = node.key[cut:], node.blocks[nblocks:], upper
         upper.children[node.key[: self.block_size]] = node
+        tags = None if self.book is None else self.book.tags.get((NS, node))
+        if tags:  # the upper part is a prefix of whatever used node
+            self.book.tags[(NS, upper)] = list(tags)  # type: ignore[union-attr]
         return upper
 
     def _walk(self, tokens: list[int] | tuple[int, ...], split: bool) -> tuple[list[int], Node]:
@@ -92,6 +128,19 @@ class RadixTree:
             blocks += child.blocks
             node, i = child, i + k
         return blocks, node
+
+    def peek(self, tokens: list[int]) -> Node:
+        """The deepest node whose whole run is a prefix of tokens; changes nothing (no split,
+        no access time, no stats)."""
+        bs, n = self.block_size, len(tokens) // self.block_size
+        node, i = self.root, 0
+        while i < n:
+            child = node.children.get(tuple(tokens[i * bs : (i + 1) * bs]))
+            k = len(child.blocks) if child is not None else 0
+            if child is None or i + k > n or child.key != tuple(tokens[i * bs : (i + k) * bs]):
+                break
+            node, i = child, i + k
+        return node
 
     def match(self, tokens: list[int]) -> tuple[list[int], Node]:
         """Blocks holding the longest cached block-aligned prefix of tokens, and its deepest node
@@ -145,19 +194,22 @@ class RadixTree:
         return total
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Drop up to num_blocks blocks from unlocked leaves, least recently used first, tail
-        blocks first. Returns the dropped block ids (the caller releases the tree's refs)."""
-        heap, stack = [], [self.root]
+        """Drop up to num_blocks blocks from unlocked leaves, farthest next use first (hinted),
+        then least recently used, tail blocks first. Returns the dropped block ids (the caller
+        releases the tree's refs)."""
+        now = time.monotonic()
+        heap: list[tuple[float, int, int, Node]] = []
+        stack = [self.root]
         while stack:
             n = stack.pop()
             if n.children:
                 stack.extend(n.children.values())
             elif n is not self.root and n.lock_ref == 0:
-                heap.append((n.last_access, id(n), n))
+                heap.append((-self.rank(n, now), n.last_access, id(n), n))
         heapq.heapify(heap)
         out: list[int] = []
         while heap and len(out) < num_blocks:
-            _, _, n = heapq.heappop(heap)
+            n = heapq.heappop(heap)[3]
             take = min(num_blocks - len(out), len(n.blocks))
             if self.on_change is not None:
                 self.on_change("removed", self._path(n), take)
@@ -168,8 +220,11 @@ class RadixTree:
                 parent = n.parent
                 assert parent is not None
                 del parent.children[next(k for k, c in parent.children.items() if c is n)]
+                if self.book is not None:
+                    self.book.forget(NS, n)
                 if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                    key = (-self.rank(parent, now), parent.last_access, id(parent), parent)
+                    heapq.heappush(heap, key)
         self.num_blocks -= len(out)
         self.stats.evicted_blocks += len(out)
         return out
@@ -208,3 +263,17 @@ class RadixTree:
                 invariant(c.parent is n and c.key[:bs] == k, "child key or parent link broken")
                 stack.append(c)
         invariant(len(seen) == self.num_blocks, "block count drifted")
+        if self.book is not None:
+            self.book.check_integrity()
+            nodes = set(self.nodes())
+            for ns, item in list(self.book.tags) + list(self.book.pins):
+                invariant(ns == NS and item in nodes, "hint tags for a node not in the tree")
+
+    def nodes(self) -> list[Node]:
+        """Every node but the root."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out

@@ -10,6 +10,7 @@ import torch
 from tierkv.engine.blend_step import BlendState
 from tierkv.engine.radix import Node
 from tierkv.engine.sampling_params import SamplingParams
+from tierkv.storage_backends.hints import KVHint
 
 
 class Status(Enum):
@@ -54,6 +55,7 @@ class Sequence:
     admitted: bool = False
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
     blend: BlendState | None = None  # a prompt in parts (any-position reuse); None: plain
+    kv_hint: KVHint | None = None  # the workflow step it runs for (advice to the caches)
     # With params.logprobs: per output token, (its logprob, [(token, logprob)] of the top ones).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 

@@ -120,7 +120,10 @@ class Server:
             self._decode_side(transfer, req)
         q: asyncio.Queue[list[Update]] = asyncio.Queue()
         loop, n = asyncio.get_running_loop(), req.params.n
-        jobs = [Job(p, req.params, loop, q, base=i * n) for i, p in enumerate(req.prompts)]
+        jobs = [
+            Job(p, req.params, loop, q, base=i * n, kv_hint=req.kv_hint)
+            for i, p in enumerate(req.prompts)
+        ]
         submitted: list[Job] = []
         try:
             for job in jobs:

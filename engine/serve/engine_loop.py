@@ -20,6 +20,7 @@ from tierkv.engine.outputs import Request
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.sequence import Sequence
 from tierkv.engine.serve.metrics import ServeMetrics
+from tierkv.storage_backends.hints import KVHint
 
 log = logging.getLogger("tierkv.engine.serve")
 
@@ -52,6 +53,7 @@ class Job:
     sent: list[int] = field(default_factory=list)  # output tokens already sent, per sample
     done: list[bool] = field(default_factory=list)  # samples finished or stopped
     prompt_tokens: int = 0
+    kv_hint: KVHint | None = None  # the request's workflow hint (advice)
 
 
 class EngineLoop:
@@ -147,7 +149,7 @@ class EngineLoop:
                 if segs:
                     llm.ingest(segs, prefix, job.params.cache_salt)
                     self._publish()
-            req = llm.add_request(None, prompt, job.params)
+            req = llm.add_request(None, prompt, job.params, job.kv_hint)
         except (ValueError, RuntimeError) as e:  # a bad prompt, or documents that cannot fit
             self._reply(job, [Update(job.base, [], [], "error", error=str(e))])
             self._release()

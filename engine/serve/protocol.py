@@ -11,6 +11,7 @@ from tierkv.engine.llm import LLM, Prompt
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.serve.config import ServeConfig
 from tierkv.engine.tokenizer import Message
+from tierkv.storage_backends.hints import HintError, KVHint, parse_hint
 
 
 class APIError(Exception):
@@ -36,6 +37,7 @@ class ParsedRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
+    kv_hint: KVHint | None = None  # 'kv_hints' (tierkv's extension): the workflow step
 
 
 def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
@@ -140,8 +142,22 @@ def parse(body: Any, chat: bool, llm: LLM, cfg: ServeConfig) -> ParsedRequest:
         logprobs=logprobs,
         cache_salt=salt,
     )
+    hint = kv_hint(body)
     prompts = [chat_prompt(body, llm)] if chat else completion_prompts(body, llm)
-    return ParsedRequest(chat, prompts, params, stream, include_usage, stop, logprobs is not None)
+    return ParsedRequest(
+        chat, prompts, params, stream, include_usage, stop, logprobs is not None, hint
+    )
+
+
+def kv_hint(body: dict[str, Any]) -> KVHint | None:
+    """'kv_hints': a workflow hint (storage_backends.hints); a malformed one is a 400 naming
+    its field, e.g. 'kv_hints.next_use.coder'."""
+    if body.get("kv_hints") is None:
+        return None
+    try:
+        return parse_hint(body["kv_hints"], "kv_hints")
+    except HintError as e:
+        raise APIError(400, f"'kv_hints' is malformed: {e}", e.field) from None
 
 
 def completion_prompts(body: dict[str, Any], llm: LLM) -> list[Prompt]:

@@ -1,0 +1,66 @@
+"""bench.workflow's goals (the issue's, per memory size and concurrency) and its figure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench.common import goal
+
+SYSTEMS = ("lru", "hints", "hints+prefetch")
+
+
+def goals(rows: list[dict[str, Any]], conc: int) -> list[dict[str, Any]]:
+    t = {(r["memory"], r["workflows"], r["system"]): r for r in rows}
+    out = []
+    for n, target in ((1, 1.8), (conc, 2.0)):
+        lru, best = t[("tight", n, "lru")], t[("tight", n, "hints+prefetch")]
+        out.append(
+            goal(
+                f"tight, {n} workflow(s): hints+prefetch speedup over LRU",
+                lru["time_s"] / best["time_s"],
+                ">=",
+                target,
+                "x",
+            )
+        )
+    for n in (1, conc):
+        lru, best = t[("loose", n, "lru")], t[("loose", n, "hints+prefetch")]
+        out.append(
+            goal(
+                f"loose, {n} workflow(s): hints+prefetch time / LRU time",
+                best["time_s"] / lru["time_s"],
+                "<=",
+                1.03,
+                "x",
+            )
+        )
+    warm = [t[("tight", n, "hints+prefetch")]["warm_pct"] for n in (1, conc)]
+    out.append(
+        goal("tight: warned steps that start warm (hints+prefetch)", min(warm), ">=", 90, "%")
+    )
+    return out
+
+
+def plotter(rows: list[dict[str, Any]]) -> Callable[[Any], None]:
+    """Draws the end-to-end time of each system, per memory size and concurrency."""
+    return lambda ax: plot(ax, rows)
+
+
+def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
+    labels = sorted({(r["memory"], r["workflows"]) for r in rows})
+    width = 0.8 / len(SYSTEMS)
+    for k, system in enumerate(SYSTEMS):
+        vals = [
+            next(
+                r["time_s"]
+                for r in rows
+                if (r["memory"], r["workflows"]) == lab and r["system"] == system
+            )
+            for lab in labels
+        ]
+        ax.bar([i + k * width for i in range(len(labels))], vals, width, label=system)
+    ax.set_xticks([i + width for i in range(len(labels))])
+    ax.set_xticklabels([f"{m}, {n} wf" for m, n in labels])
+    ax.set_ylabel("end-to-end time of the workflows (s)")
+    ax.legend()
