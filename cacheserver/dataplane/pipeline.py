@@ -1,0 +1,91 @@
+"""Pipelined exchanges on one data plane connection: a request goes out as soon as the socket
+is free to send, before the replies to earlier requests were read. The server reads and
+answers a session's requests one at a time, in order, so replies come back in request order;
+each exchange reads its own reply when every earlier one was read (its turn), then passes the
+turn on.
+
+Safety contract: a reply is read only by the exchange whose request it answers (turns follow
+the order requests were sent, under one send lock); an exchange that fails or is cancelled
+after its request's first byte went out and before its reply's last byte was read leaves the
+framing unknown, so it breaks the pipeline: the socket is shut down, the exchanges sending or
+reading wake with an error, and every exchange waiting or started afterwards raises
+ConnectionError without touching the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from tierkv.cacheserver.dataplane.conn import Conn
+
+Views = Sequence[bytes | memoryview]
+
+
+@dataclass(slots=True, eq=False)
+class Pipeline:
+    conn: Conn
+    on_close: Callable[[], None]  # frees the connection once no exchange uses it
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last: asyncio.Event | None = None  # set once the latest request's reply was read
+    broken: str = ""  # why the framing was lost; "" while it holds
+    closing: bool = False
+    freed: bool = False
+    users: int = 0  # exchanges between their first await and their end
+    in_flight: int = 0  # requests sent whose replies were not read whole yet
+    max_in_flight: int = 0  # its high-water mark
+
+    def close(self) -> None:
+        """Break the pipeline; the connection is freed once the last exchange left."""
+        self.closing = True
+        self._break("session closed")
+        self._free()
+
+    @contextlib.asynccontextmanager
+    async def exchange(self, request: Callable[[], Views]) -> AsyncIterator[None]:
+        """Send request() (built under the send lock, so it may take what earlier replies
+        left to say, such as ranges to RELEASE), then wait for the turn: the caller's block
+        reads this request's reply, and nothing else, from the connection."""
+        self._check()
+        self.users += 1
+        mine: asyncio.Event | None = None
+        try:
+            async with self.sending:
+                self._check()
+                prev, mine = self.last, asyncio.Event()
+                self.last = mine
+                await self.conn.send_views([memoryview(v) for v in request()])
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                if prev is not None:
+                    await prev.wait()
+                self._check()
+                yield
+            finally:
+                self.in_flight -= 1
+        except BaseException as e:
+            if mine is not None:  # some of the request went out: the framing is lost
+                self._break(f"exchange failed midway: {e!r}")
+            raise
+        finally:
+            if mine is not None:
+                mine.set()  # the next in line reads its reply, or finds the pipeline broken
+            self.users -= 1
+            self._free()
+
+    def _check(self) -> None:
+        if self.broken:
+            raise ConnectionError(f"data plane session broken: {self.broken}")
+
+    def _break(self, why: str) -> None:
+        if not self.broken:
+            self.broken = why
+            self.conn.shutdown()
+
+    def _free(self) -> None:
+        if self.closing and not self.users and not self.freed:
+            self.freed = True
+            self.on_close()
