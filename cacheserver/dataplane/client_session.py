@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.cacheserver.dataplane.checked_recv import recv_checked
 from tierkv.cacheserver.dataplane.conn import Conn
 from tierkv.cacheserver.dataplane.pipeline import Pipeline
 from tierkv.cacheserver.dataplane.protocol import (
@@ -224,7 +225,7 @@ class Session:
 
     async def _inline(self, w: Want) -> Got:
         """One key's answer over TCP: REPLY, header and payload, received straight into the
-        segment's buffer (or the caller's `out`), then checked."""
+        segment's buffer (or the caller's `out`) and checked layer by layer as it arrives."""
         _, size, hlen = REPLY.unpack(await self.conn.recv_exactly(REPLY.size))
         if size == 0:
             return None
@@ -235,11 +236,11 @@ class Session:
             raise ValueError("data plane answered a payload that does not fit the segment")
         into = None if w.out is None else out_view(w.out, size)
         buf = buffer(size) if into is None else into
-        await self.conn.recv_into(buf)
-        try:
-            seg = KVSegment.from_raw(h, buf, verify=True)
-            if w.out is not None and into is None:  # a device tensor
-                seg = copy_into(seg, w.out)
-            return seg, seg.nbytes
-        except (ValueError, SegmentError) as e:
-            return e
+        bad = await recv_checked(self.conn, h, buf)
+        if bad:
+            return SegmentError(f"layer {bad[0]}: checksum mismatch")
+        seg = KVSegment.from_raw(h, buf, verify=False)
+        seg.verified = True  # recv_checked checked every layer
+        if w.out is not None and into is None:  # a device tensor
+            seg = copy_into(seg, w.out)
+        return seg, seg.nbytes
