@@ -115,7 +115,7 @@ class Conn:
     async def send_views(self, views: list[memoryview]) -> None:
         """Send the buffers in order without joining them: scatter-gather sendmsg calls on a
         plain socket (the kernel's copy only), one buffer after another under TLS."""
-        if self.tls is not None:
+        if self.tls is not None or len(views) == 1:
             for v in views:
                 await self.sendall(v)
             return

@@ -15,8 +15,7 @@ ConnectionError without touching the socket.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.cacheserver.dataplane.conn import Conn
@@ -43,38 +42,11 @@ class Pipeline:
         self._break("session closed")
         self._free()
 
-    @contextlib.asynccontextmanager
-    async def exchange(self, request: Callable[[], Views]) -> AsyncIterator[None]:
-        """Send request() (built under the send lock, so it may take what earlier replies
-        left to say, such as ranges to RELEASE), then wait for the turn: the caller's block
-        reads this request's reply, and nothing else, from the connection."""
-        self._check()
-        self.users += 1
-        mine: asyncio.Event | None = None
-        try:
-            async with self.sending:
-                self._check()
-                prev, mine = self.last, asyncio.Event()
-                self.last = mine
-                await self.conn.send_views([memoryview(v) for v in request()])
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            try:
-                if prev is not None:
-                    await prev.wait()
-                self._check()
-                yield
-            finally:
-                self.in_flight -= 1
-        except BaseException as e:
-            if mine is not None:  # some of the request went out: the framing is lost
-                self._break(f"exchange failed midway: {e!r}")
-            raise
-        finally:
-            if mine is not None:
-                mine.set()  # the next in line reads its reply, or finds the pipeline broken
-            self.users -= 1
-            self._free()
+    def exchange(self, request: Callable[[], Views]) -> Exchange:
+        """`async with pipe.exchange(request)`: send request() (built under the send lock, so
+        it may take what earlier replies left to say, such as ranges to RELEASE), then wait
+        for the turn; the block reads this request's reply, and nothing else."""
+        return Exchange(self, request)
 
     def _check(self) -> None:
         if self.broken:
@@ -89,3 +61,48 @@ class Pipeline:
         if self.closing and not self.users and not self.freed:
             self.freed = True
             self.on_close()
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One request and its reply's turn. A class, not a generator: it is on every get's path,
+    and contextlib's wrapper costs as much again as the rest of it."""
+
+    pipe: Pipeline
+    request: Callable[[], Views]
+    mine: asyncio.Event | None = None  # set when this reply was read: the next one's turn
+    sent: bool = False
+
+    async def __aenter__(self) -> None:
+        p = self.pipe
+        p._check()
+        p.users += 1
+        try:
+            async with p.sending:
+                p._check()
+                prev, self.mine = p.last, asyncio.Event()
+                p.last = self.mine
+                await p.conn.send_views([memoryview(v) for v in self.request()])
+            self.sent = True
+            p.in_flight += 1
+            p.max_in_flight = max(p.max_in_flight, p.in_flight)
+            if prev is not None:
+                await prev.wait()
+            p._check()
+        except BaseException as e:
+            self._end(e)
+            raise
+
+    async def __aexit__(self, kind: object, e: BaseException | None, tb: object) -> None:
+        self._end(e)
+
+    def _end(self, e: BaseException | None) -> None:
+        p = self.pipe
+        if e is not None and self.mine is not None:  # some of the request went out
+            p._break(f"exchange failed midway: {e!r}")
+        if self.sent:
+            p.in_flight -= 1
+        if self.mine is not None:
+            self.mine.set()  # the next in line reads its reply, or finds the pipeline broken
+        p.users -= 1
+        p._free()
