@@ -25,6 +25,8 @@ Views = Sequence[bytes | memoryview]
 
 @dataclass(slots=True, eq=False)
 class Pipeline:
+    """The exchanges in flight on one connection (safety contract in the module docstring)."""
+
     conn: Conn
     on_close: Callable[[], None]  # frees the connection once no exchange uses it
     sending: asyncio.Lock = field(default_factory=asyncio.Lock)
