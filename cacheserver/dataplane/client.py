@@ -2,11 +2,14 @@
 (cacheserver.dataplane.protocol): shared memory with a server on this host, the server's TCP
 data port with one elsewhere. Lookups and deletes stay on gRPC.
 
+Concurrent reads share GETs (cacheserver.batch), and GETs overlap on the one session
+(cacheserver.dataplane.pipeline): up to DEPTH in flight, their replies read in order.
+
 Safety contract: RemoteTier's, and: the session authenticates with this tier's token; a
 payload is copied out of the region (or received from the socket) and its layer checksums
 checked before the range is released or the segment handed out; when the data plane is off,
-unreachable or fails, loads and saves go over gRPC (the session is dropped and retried after
-`retry_s`).
+unreachable or fails, loads and saves go over gRPC (the session is dropped, with every exchange
+still in flight on it, and retried after `retry_s`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ from tierkv.storage_backends.segment import KVSegment, SegmentError
 from tierkv.storage_backends.stream import LayerSink
 
 log = logging.getLogger("tierkv.remote")
+# GETs in flight on one session. A read that arrives while one is in flight goes out at once
+# as a GET of its own: the server answers in order on the one socket, so it starts on it as
+# soon as the earlier reply is out, where a batch held back would wait for that whole reply
+# plus a round trip; merging saves only a request header. Past this depth reads merge again
+# (into the batch sent when one lands), which bounds the region ranges held at once.
+DEPTH = 4
 FAULTS = (OSError, EOFError, ValueError, SegmentError, asyncio.TimeoutError, ssl.SSLError)
 
 
@@ -92,27 +101,35 @@ class DataTier(RemoteTier):
                 self._down_until = time.monotonic() + self.retry_s
         return self._session
 
-    def _drop(self, op: str, e: BaseException) -> None:
+    def _drop(self, op: str, e: BaseException, s: Session | None) -> None:
+        """Drop session s after its failure (and the current one if it broke meanwhile: a
+        failure that lands late never drops a session opened since)."""
         self._fail(f"data plane {op}", e)
-        self._down_until = time.monotonic() + self.retry_s
-        if self._session is not None:
-            self._session.close()
+        cur = self._session
+        if cur is not None and (cur is s or cur.broken):
+            self._down_until = time.monotonic() + self.retry_s
+            cur.close()
             self._session = None
+        elif s is None:
+            self._down_until = time.monotonic() + self.retry_s
 
     async def _read(self, ns: str, key: bytes, out: Any) -> tuple[KVSegment, int] | None:
+        s = None
         try:
-            if await self._session_up() is not None:
+            s = await self._session_up()
+            if s is not None:
                 if self._batch is None:
-                    self._batch = Batcher(self._exchange, MAX_KEYS)
+                    self._batch = Batcher(self._exchange, MAX_KEYS, DEPTH)
                 return await asyncio.wait_for(self._batch.submit(Want(key, out)), self.timeout_s)
         except Elsewhere:
             pass
         except FAULTS as e:
-            self._drop("get", e)
+            self._drop("get", e, s)
         return await RemoteTier._read(self, ns, key, out)  # off, elsewhere or failed: gRPC
 
     async def _exchange(self, batch: list[Want]) -> list[tuple[KVSegment, int] | None | Exception]:
-        """Concurrent reads (a request's chunks) share one GET and one reply."""
+        """Concurrent reads (a request's chunks) share one GET and one reply; GETs of reads
+        that arrive later overlap it (DEPTH)."""
         if self._session is None:
             raise ConnectionError("data plane session closed")
         return await self._session.get(batch)
@@ -128,7 +145,7 @@ class DataTier(RemoteTier):
         try:
             s = await self._session_up()
         except FAULTS as e:
-            self._drop("stream", e)
+            self._drop("stream", e, None)
         if s is None:
             await RemoteTier.stream(self, keys, ns, sink)
             return
@@ -136,10 +153,10 @@ class DataTier(RemoteTier):
         try:
             got = await s.stream(keys, sink)
         except FAULTS as e:
-            self._drop("stream", e)
+            self._drop("stream", e, s)
             return
         except BaseException:  # cancelled midway: the session's framing is lost
-            self._drop("stream", asyncio.CancelledError())
+            self._drop("stream", asyncio.CancelledError(), s)
             raise
         self._stats.hits += got.hits
         self._stats.misses += len(keys) - got.hits
@@ -147,13 +164,14 @@ class DataTier(RemoteTier):
         self._get_lat.add(time.perf_counter() - t0)
 
     async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
+        s = None
         try:
             s = await self._session_up()
             if s is not None:
                 stored = await asyncio.wait_for(s.put(key, segment), self.timeout_s)
                 return segment.nbytes if stored else None
         except FAULTS as e:
-            self._drop("put", e)
+            self._drop("put", e, s)
         return await RemoteTier._write(self, ns, key, segment)
 
     async def close(self) -> None:

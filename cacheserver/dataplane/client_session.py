@@ -1,11 +1,14 @@
 """One client session of the server's data plane (protocol in cacheserver.dataplane.protocol):
 its socket, its shared-memory region when the server is on this host, and the GET, PUT and
-STREAM exchanges.
+STREAM exchanges, pipelined (cacheserver.dataplane.pipeline): a request goes out while earlier
+replies are still being read, and each reply is read in request order by its own exchange.
 
-Safety contract: one exchange on the socket at a time (`io`); every reply is checked against
-what was asked (count, key, shape, range inside the region, sizes within the caller's limit)
-before a byte is used, and each payload's layer checksums before it is handed out; anything
-that does not fit raises, and the caller drops the session."""
+Safety contract: every reply is read by the exchange that asked for it and checked against what
+was asked (count, key, shape, range inside the region, sizes within the caller's limit) before
+a byte is used, and each payload's layer checksums before it is handed out; a region range is
+RELEASEd (with a later request) only after its payload was copied out and checked; anything
+that does not fit raises and breaks the session (every exchange waiting on it raises too), and
+the caller drops it."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.cacheserver.dataplane.checked_recv import recv_checked
 from tierkv.cacheserver.dataplane.conn import Conn
+from tierkv.cacheserver.dataplane.pipeline import Pipeline
 from tierkv.cacheserver.dataplane.protocol import (
     FRAME,
     FULL,
@@ -102,10 +107,27 @@ class Session:
     conn: Conn
     region: Region | None  # None: over TCP, each payload follows its reply
     max_bytes: int  # largest payload accepted from the server
-    released: list[int] = field(default_factory=list)  # offsets to release with the next GET
-    io: asyncio.Lock = field(default_factory=asyncio.Lock)
+    released: list[int] = field(default_factory=list)  # offsets to release with the next op
+    pipe: Pipeline = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pipe = Pipeline(self.conn, self._free)
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.pipe.broken)
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most requests this session had sent at once before their replies were read."""
+        return self.pipe.max_in_flight
 
     def close(self) -> None:
+        """Break the session: exchanges in progress wake with an error; the socket closes and
+        the region unmaps once the last of them left."""
+        self.pipe.close()
+
+    def _free(self) -> None:
         self.conn.close()
         if self.region is not None:
             self.region.close()
@@ -114,21 +136,18 @@ class Session:
         """Send the encoded segment from its own bytes (the kernel's copy only); whether the
         server stored it."""
         h, head, blobs = seg.encode_parts()
-        async with self.io:
-            request = pack(PUT, 1, key + struct.pack("<Q", h.nbytes)) + head
-            await self.conn.send_views([memoryview(request), *(memoryview(b) for b in blobs)])
+        request = pack(PUT, 1, key + struct.pack("<Q", h.nbytes)) + head
+        async with self.pipe.exchange(lambda: [self._releasing() + request, *blobs]):
             code, stored, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
             why = await self.conn.recv_exactly(min(n, MAX_BODY)) if n else b""
-        if code != OK:
-            raise ConnectionError(f"data plane refused the put ({code}): {why!r}")
+            if code != OK:  # the server ends the session after a refusal
+                raise ConnectionError(f"data plane refused the put ({code}): {why!r}")
         return bool(stored)
 
     async def get(self, batch: list[Want]) -> list[Got]:
         """One GET of every key in batch; the answers in order."""
         msg = pack(GET, len(batch), b"".join(w.key for w in batch))
-        async with self.io:
-            msg = self._releasing() + msg
-            await self.conn.sendall(msg)
+        async with self.pipe.exchange(lambda: [self._releasing() + msg]):
             code, count, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
             if n > len(batch) * (REPLY.size + MAX_BODY):
                 raise ValueError(f"data plane reply of {n} bytes for {len(batch)} keys")
@@ -137,29 +156,28 @@ class Session:
                 raise ValueError(f"data plane answered {code}: {bytes(body[:200])!r}")
             if self.region is None:
                 return [await self._inline(w) for w in batch]
-        return self._ranges(batch, body)
+            return self._ranges(batch, body)  # in turn: the ranges join the next request
 
     async def stream(self, keys: Sequence[bytes], sink: LayerSink) -> Inbound:
         """One STREAM of keys into sink; what arrived. Raises when the session broke (the
         caller drops every key still open, `Inbound.fail`)."""
         got = Inbound(keys, sink, self.region, self.max_bytes)
         msg = pack(STREAM, len(keys), b"".join(keys))
-        async with self.io:
-            msg = self._releasing() + msg
-            try:
-                await self.conn.sendall(msg)
-                code, count, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
-                if code != OK or count != len(keys) or n:
-                    why = await self.conn.recv_exactly(min(n, MAX_BODY)) if n else b""
-                    raise ValueError(f"data plane answered {code} to a stream: {why[:200]!r}")
-                while not got.finished:
-                    frame = FRAME.unpack(await self.conn.recv_exactly(FRAME.size))
-                    await got.frame(self.conn, *frame)
-            except BaseException as e:
-                got.fail(f"data plane stream failed: {e!r}")
-                raise
-            finally:
-                self.released += got.released
+        try:
+            async with self.pipe.exchange(lambda: [self._releasing() + msg]):
+                try:
+                    code, count, n = HEAD.unpack(await self.conn.recv_exactly(HEAD.size))
+                    if code != OK or count != len(keys) or n:
+                        why = await self.conn.recv_exactly(min(n, MAX_BODY)) if n else b""
+                        raise ValueError(f"data plane answered {code} to a stream: {why[:200]!r}")
+                    while not got.finished:
+                        frame = FRAME.unpack(await self.conn.recv_exactly(FRAME.size))
+                        await got.frame(self.conn, *frame)
+                finally:
+                    self.released += got.released
+        except BaseException as e:
+            got.fail(f"data plane stream failed: {e!r}")
+            raise
         return got
 
     def _releasing(self) -> bytes:
@@ -207,7 +225,7 @@ class Session:
 
     async def _inline(self, w: Want) -> Got:
         """One key's answer over TCP: REPLY, header and payload, received straight into the
-        segment's buffer (or the caller's `out`), then checked."""
+        segment's buffer (or the caller's `out`) and checked layer by layer as it arrives."""
         _, size, hlen = REPLY.unpack(await self.conn.recv_exactly(REPLY.size))
         if size == 0:
             return None
@@ -218,11 +236,11 @@ class Session:
             raise ValueError("data plane answered a payload that does not fit the segment")
         into = None if w.out is None else out_view(w.out, size)
         buf = buffer(size) if into is None else into
-        await self.conn.recv_into(buf)
-        try:
-            seg = KVSegment.from_raw(h, buf, verify=True)
-            if w.out is not None and into is None:  # a device tensor
-                seg = copy_into(seg, w.out)
-            return seg, seg.nbytes
-        except (ValueError, SegmentError) as e:
-            return e
+        bad = await recv_checked(self.conn, h, buf)
+        if bad:
+            return SegmentError(f"layer {bad[0]}: checksum mismatch")
+        seg = KVSegment.from_raw(h, buf, verify=False)
+        seg.verified = True  # recv_checked checked every layer
+        if w.out is not None and into is None:  # a device tensor
+            seg = copy_into(seg, w.out)
+        return seg, seg.nbytes

@@ -2,13 +2,18 @@
 when the server has TLS (an `ssl.SSLObject` over memory BIOs: asyncio's sock_* calls take no SSL
 socket).
 
+One task may send while another receives (a client's pipelined requests and replies): the
+encrypted bytes of both leave through one flush at a time, so TLS records never interleave.
+
 Safety contract: `recv_exactly` and `recv_into` return only once every byte asked for arrived
-(EOFError when the peer closes first); with TLS nothing leaves or enters the process
-unencrypted, and a failed handshake raises before any data plane byte is exchanged."""
+(EOFError when the peer closes first, or after `shutdown`); with TLS nothing leaves or enters
+the process unencrypted, and a failed handshake raises before any data plane byte is
+exchanged."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import socket
 import ssl
@@ -27,6 +32,7 @@ class Conn:
     tls: ssl.SSLObject | None = None
     incoming: ssl.MemoryBIO = field(default_factory=ssl.MemoryBIO)
     outgoing: ssl.MemoryBIO = field(default_factory=ssl.MemoryBIO)
+    flushing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sock_sendall at a time
 
     @staticmethod
     async def open(
@@ -43,10 +49,19 @@ class Conn:
     def close(self) -> None:
         self.sock.close()
 
+    def shutdown(self) -> None:
+        """End both directions, the fd kept open: a task waiting to receive or send wakes (EOF,
+        a broken pipe) instead of waiting on an fd that `close` would take from the loop."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     async def _flush(self) -> None:
-        data = self.outgoing.read()
-        if data:
-            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+        if not self.outgoing.pending:  # a reader's step rarely has anything to send
+            return
+        async with self.flushing:  # what the BIO holds goes out in order, whoever flushes
+            data = self.outgoing.read()
+            if data:
+                await asyncio.get_running_loop().sock_sendall(self.sock, data)
 
     async def _fill(self) -> None:
         data = await asyncio.get_running_loop().sock_recv(self.sock, READ)
@@ -100,7 +115,7 @@ class Conn:
     async def send_views(self, views: list[memoryview]) -> None:
         """Send the buffers in order without joining them: scatter-gather sendmsg calls on a
         plain socket (the kernel's copy only), one buffer after another under TLS."""
-        if self.tls is not None:
+        if self.tls is not None or len(views) == 1:
             for v in views:
                 await self.sendall(v)
             return

@@ -18,6 +18,10 @@ offset + l x layer bytes; the client RELEASEs the range) or, where the region ha
 over TCP, follows its frame inline. A key missing or failing midway gets a frame with 0 layer
 bytes and the reason; every key ends with its last layer or such a frame.
 
+A client may send its next request before it read the reply to the last one (pipelining):
+the server reads a session's requests one at a time and answers each, whole, before it reads
+the next, so replies come back in request order.
+
 PUT (either socket) names one key and the encoded segment's length in its body; the encoded
 bytes follow on the socket. The server takes memory as they arrive, under its in-flight
 budget (past it: BUSY, and the session closes), checks the whole segment as a gRPC Put is
