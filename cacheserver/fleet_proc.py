@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import urllib.request
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             preexec_fn=pin,
+            start_new_session=True,  # its own group: stop() ends vLLM's EngineCore children too
         )
         return self
 
@@ -46,14 +49,22 @@ class Proc:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """End the process and every process it started (its session's group)."""
+        if self.proc is None:
             return
-        self.proc.kill() if kill else self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # children left behind by a clean exit
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def healthy(url: str, timeout: float = 2.0) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -171,6 +172,7 @@ class Engine:
             text=True,
             cwd=ROOT,
             env={**os.environ, **ENV, **self.env},
+            start_new_session=True,  # its own group: close() ends vLLM's EngineCore too
         )
         self._read(timeout)
         return self
@@ -238,6 +240,8 @@ class Engine:
             self.proc.kill()
             self.proc.wait(30)
         finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # an EngineCore its driver left
             self.proc = None
             self._err.close()
 
