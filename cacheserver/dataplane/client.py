@@ -120,7 +120,8 @@ class DataTier(RemoteTier):
             if s is not None:
                 if self._batch is None:
                     self._batch = Batcher(self._exchange, MAX_KEYS, DEPTH)
-                return await asyncio.wait_for(self._batch.submit(Want(key, out)), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):  # no task of its own, as wait_for's
+                    return await self._batch.submit(Want(key, out))
         except Elsewhere:
             pass
         except FAULTS as e:
@@ -168,7 +169,8 @@ class DataTier(RemoteTier):
         try:
             s = await self._session_up()
             if s is not None:
-                stored = await asyncio.wait_for(s.put(key, segment), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    stored = await s.put(key, segment)
                 return segment.nbytes if stored else None
         except FAULTS as e:
             self._drop("put", e, s)

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.vllm.harness import ENV, ROOT
+from tests.vllm.harness import ENV, ROOT, end_group, kill_group
 from tierkv.cacheserver.launch import free_port
 
 
@@ -82,7 +82,12 @@ class ApiServer:
         env = {**os.environ, **ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus}
         self.proc = subprocess.Popen(
-            cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+            cmd,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,  # its own group: kill and close reach its EngineCore
         )
 
     def wait(self) -> ApiServer:
@@ -105,17 +110,12 @@ class ApiServer:
         return out
 
     def kill(self) -> None:
-        """SIGKILL, as a crash: nothing is flushed."""
-        self.proc.kill()
+        """SIGKILL to the server and its EngineCore, as a crash: nothing is flushed."""
+        kill_group(self.proc)
         self.proc.wait(30)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        end_group(self.proc)
         self.out.close()
 
 

@@ -240,8 +240,7 @@ class Engine:
             self.proc.kill()
             self.proc.wait(30)
         finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # an EngineCore its driver left
+            kill_group(self.proc)  # an EngineCore its driver left behind
             self.proc = None
             self._err.close()
 
@@ -280,3 +279,22 @@ def local_core(name: str) -> Iterator[Any]:
     finally:
         core.close()
         loop.close()
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal every process of proc's session (started with start_new_session=True): vLLM's
+    EngineCore outlives a killed API server or driver otherwise."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def end_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM proc's session, wait for proc, then SIGKILL whatever of it is left."""
+    if proc.poll() is None:
+        kill_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            proc.wait(30)
+    kill_group(proc)

@@ -22,7 +22,7 @@ import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tests.vllm.conftest import prompt
-from tests.vllm.harness import ENV, ROOT
+from tests.vllm.harness import ENV, ROOT, end_group
 from tierkv.cacheserver.client import RemoteTier
 from tierkv.cacheserver.launch import ServerProcess, free_port
 from tierkv.connector.event_blocks import chunk_blocks
@@ -100,6 +100,7 @@ class Serve:
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                 "VLLM_SERVER_DEV_MODE": "1",
             },
+            start_new_session=True,  # its own group: close reaches its EngineCore
         )
         ctx = zmq.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
@@ -159,12 +160,7 @@ class Serve:
 
     def close(self) -> None:
         self.sub.close(0)
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        end_group(self.proc)
         self.out.close()
 
 
