@@ -136,8 +136,8 @@ class IndexedTier(BaseTier, Generic[E]):
             free += nbytes
         if free < n:
             return False  # nothing is evicted unless it makes enough room
-        for ns, key in victims:
-            self._evict(ns, key)
+        for v_ns, v_key in victims:
+            self._evict(v_ns, v_key)
         if self.check_invariants:
             self.check_integrity()
         return True

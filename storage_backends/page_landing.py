@@ -19,7 +19,6 @@ import xxhash
 
 from tierkv.storage_backends.pages import runs
 from tierkv.storage_backends.segment import SegmentHeader
-from tierkv.storage_backends.tensor_header import raw_layout
 
 
 @dataclass(slots=True, eq=False)
@@ -59,12 +58,13 @@ class Landing:
         t, pages = self.tier, self.entry.pages
         return [t._mv[at : at + n] for at, _, n in runs(pages, t.page_bytes, start, stop)]
 
-    def checked(self, layer: int) -> bool:
-        """Whether the layer's bytes in the pages match the header's checksum."""
+    def checked(self, layer: int, views: list[memoryview] | None = None) -> bool:
+        """Whether the layer's bytes in the pages match the header's checksum (views: the
+        layer's own, when the caller has them already)."""
         h = self.entry.header
         off, n = h.layers[layer]
         x = xxhash.xxh3_64()
-        for v in self.views(off, off + n):
+        for v in self.views(off, off + n) if views is None else views:
             x.update(v)
         return bool(x.intdigest() == h.checksums[layer])
 
@@ -104,7 +104,8 @@ def land(tier: Any, ns: str, key: bytes, h: SegmentHeader, entry_type: type) -> 
     never fit."""
     if (ns, key) in tier.index or h.codec != "none" or h.nbytes > tier.capacity_bytes:
         return None
-    if list(h.layers) != raw_layout(h):
+    n = h.layer_raw_nbytes  # laid out raw: layer i at header + i x n (no numpy on a put's path)
+    if any(lay != (h.header_nbytes + i * n, n) for i, lay in enumerate(h.layers)):
         return None
     entry = entry_type(h, [])
     tier.landing.append(entry)

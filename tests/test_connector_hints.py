@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.test_connector import CFG
 from tierkv.cacheserver.cli import build_store
 from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.server import Server
@@ -20,15 +21,6 @@ from tierkv.engine import LLM, SamplingParams
 from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.hints import KVHint
 
-CFG = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=4096,
-)
 PROMPT = torch.randint(0, 512, (330,), generator=torch.Generator().manual_seed(7)).tolist()
 HINT = KVHint("w1", "coder", next_use={"planner": 1, "coder": 0, "reviewer": 2})
 NS = "default"

@@ -136,9 +136,10 @@ async def _into_pages(
         for i, (off, n) in enumerate(h.layers):
             if not landing.grow(off + n):
                 return await _drain(conn, budget, off, h.nbytes)
-            for v in landing.views(off, off + n):
+            views = landing.views(off, off + n)
+            for v in views:
                 await budget.recv(conn, v)
-            if not landing.checked(i):
+            if not landing.checked(i, views):
                 raise Refused(f"malformed segment: layer {i}: checksum mismatch")
         if not landing.commit():
             return False
