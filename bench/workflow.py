@@ -17,7 +17,8 @@ tier holds every prompt: the steady state of an agent service. Measured: end-to-
 all workflows (makespan), median TTFT per step, the share of prompt tokens found in the engine's
 prefix cache, the cpu tier, the disk tier or recomputed, bytes loaded and prefetched, and the
 share of warned steps (every step after the first) that start warm (the system prompt in the
-blocks or the cpu tier). vLLM's prefix caching is not in this bench.
+blocks or the cpu tier). For reference, vLLM's prefix caching runs the same workflows with the
+engine blocks' KV bytes and nothing below them (bench/workflow_vllm.py; --no-vllm skips it).
 
 --slow none drops the disk tier (what the cpu tier evicts is recomputed; results in
 bench/results/workflow_recompute.json).
@@ -27,63 +28,26 @@ bench/results/workflow_recompute.json).
 
 from __future__ import annotations
 
-import random
-import statistics
 import tempfile
 import time
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from bench import workflow_vllm
 from bench.common import parser, print_table, write_results
 from bench.models import bench_model
-from bench.workflow_report import SYSTEMS, goals, plotter
+from bench.serve_vllm import hf_checkpoint
+from bench.workflow_load import AGENTS, CHUNK, chat_ids, next_use, plan, system_prompt
+from bench.workflow_report import SYSTEMS, goals, plotter, summarize
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.gguf_loader import load_tokenizer
-from tierkv.engine.models import pull
-from tierkv.engine.tokenizer import Tokenizer
+from tierkv.engine.models import cache_dir, pull
 from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.hints import MAX_STEPS, KVHint
-
-AGENTS = ("planner", "coder", "tester", "reviewer", "writer")
-CHUNK = 64  # the connector's chunk tokens: a step's turn spoils one chunk only
-WORDS = (
-    "module interface contract test branch merge review latency cache token budget schema "
-    "parser service queue retry timeout index shard replica rollback deploy metric trace span "
-    "patch diff commit release owner ticket sprint design spec input output error log config"
-).split()
-
-
-def system_prompt(agent: str, words: int) -> str:
-    """A distinct, deterministic system prompt of about words words."""
-    rng = random.Random(agent)
-    rules = []
-    for i in range(words // 12):
-        body = " ".join(rng.choice(WORDS) for _ in range(9))
-        rules.append(f"Rule {i + 1} for the {agent}: {body}.")
-    return f"You are the {agent} of a software team. " + " ".join(rules)
-
-
-def plan(wf: int, tasks: int = 2) -> list[str]:
-    """A workflow's steps: tasks, each a loop of coder and tester and a branch."""
-    rng, steps = random.Random(wf), []
-    for _ in range(tasks):
-        steps.append("planner")
-        for _ in range(rng.randint(1, 2)):
-            steps += ["coder", "tester"]
-        if rng.random() < 0.5:  # the branch: the tester checks the fix once more
-            steps.append("tester")
-        steps += ["reviewer", "writer"]
-    return steps
-
-
-def next_use(steps: list[str], i: int) -> dict[str, int]:
-    """What the application knows at step i: the steps until each agent runs next."""
-    out: dict[str, int] = {}
-    for j in range(i, len(steps)):
-        out.setdefault(steps[j], j - i)
-    return out
 
 
 def build(system: str, mem: dict[str, int], tmp: str | None) -> tuple[LLM, TierKVConnector]:
@@ -168,21 +132,35 @@ def drive(
                 submit(w)
     wall = time.perf_counter() - t0
     llm.drain_saves()
-    prompt = sum(r["prompt"] for r in recs)
-    found = {k: sum(r[k] for r in recs) for k in ("engine", "cpu", "disk")}
-    warned = [r["warm"] for r in recs if r["step"] > 0]
+    found = {k: sum(r[k] for r in recs) for k in ("cpu", "disk")}
     return dict(
-        time_s=wall,
-        ttft_ms=1000 * statistics.median(r["ttft"] for r in recs),
-        steps=len(recs),
-        engine_pct=100 * found["engine"] / prompt,
-        cpu_pct=100 * found["cpu"] / prompt,
-        disk_pct=100 * found["disk"] / prompt,
-        computed_pct=100 * (prompt - sum(found.values())) / prompt,
+        **summarize(recs, wall),
         loaded_mb=(found["cpu"] + found["disk"]) * MODEL.kv_bytes(1) / 1e6,
         prefetched_mb=(conn.store.prefetcher.stats.moved - moved0) * MODEL.kv_bytes(CHUNK) / 1e6,
-        warm_pct=100 * sum(warned) / max(1, len(warned)),
     )
+
+
+def run_vllm(mem: dict[str, int], n_wf: int, prompts: dict[str, list[int]], args: Any) -> dict:
+    """The same workflows on vLLM's prefix caching with the engine blocks' KV bytes."""
+    plans = [plan(w, TASKS) for w in range(n_wf)]
+    steps = [
+        [(a, prompts[a] + turn(f"Workflow {w}, step {i}: your turn.")) for i, a in enumerate(p)]
+        for w, p in enumerate(plans)
+    ]
+    job = dict(
+        model=str(HF),
+        kv_bytes=mem["kv_bytes"],
+        kv_per_token=MODEL.kv_bytes(1),
+        max_model_len=max(len(ids) for s in steps for _, ids in s) + args.max_tokens + 64,
+        max_tokens=args.max_tokens,
+        warm=[prompts[a] + TURN for a in AGENTS],
+        steps=steps,
+    )
+    out = workflow_vllm.run(job, Path(tempfile.gettempdir()) / "tierkv-workflow-vllm.log")
+    recs = out["records"]
+    for r in recs:
+        r.update(cpu=0, disk=0, warm=r["engine"] >= len(prompts[r["agent"]]) // CHUNK * CHUNK)
+    return dict(**summarize(recs, out["time_s"]), loaded_mb=0.0, prefetched_mb=0.0)
 
 
 def memory(prompt_tokens: int, n_wf: int) -> dict[str, dict[str, int]]:
@@ -200,7 +178,7 @@ def memory(prompt_tokens: int, n_wf: int) -> dict[str, dict[str, int]]:
 
 
 def main() -> None:
-    global MODEL, TOK, TURN, TASKS
+    global MODEL, TOK, TURN, TASKS, HF
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--concurrent", type=int, default=0, help="workflows at once (8; --quick 2)")
     p.add_argument(
@@ -210,32 +188,29 @@ def main() -> None:
         help="below the cpu tier: a disk tier holding every prompt, or none (recomputed)",
     )
     p.add_argument("--max-tokens", type=int, default=0, help="answer tokens (12; --quick 6)")
+    p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's column")
     args = p.parse_args()
     args.concurrent = args.concurrent or (2 if args.quick else 8)
     args.max_tokens = args.max_tokens or (6 if args.quick else 12)
     MODEL, TOK = bench_model("smollm2"), load_tokenizer(pull("smollm2"))
+    HF = hf_checkpoint(cache_dir() / "smollm2-hf") if args.vllm else None
     words, TASKS = (250, 1) if args.quick else (750, 2)
     prompts = {a: chat_ids(TOK, system_prompt(a, words)) for a in AGENTS}
     TURN = turn("Warm-up.")
     plen = max(len(v) for v in prompts.values())
     rows, cases = [], [(m, n) for m in ("tight", "loose") for n in (1, args.concurrent)]
-    bar = tqdm(total=len(cases) * len(SYSTEMS), desc="workflow")
+    bar = tqdm(total=len(cases) * (len(SYSTEMS) + args.vllm), desc="workflow")
     for mem_name, n_wf in cases:
         mem = memory(plen, n_wf)[mem_name]
-        for system in SYSTEMS:
-            r = run_case(system, mem, n_wf, prompts, args)
+        for system in SYSTEMS + (("vllm",) if args.vllm else ()):
+            run = run_vllm if system == "vllm" else partial(run_case, system)
+            r = run(mem, n_wf, prompts, args)
             rows.append(dict(memory=mem_name, workflows=n_wf, system=system, **r))
             bar.update(1)
     bar.close()
     print_table(rows)
     name = "workflow" if args.slow == "disk" else "workflow_recompute"
     write_results(name, config(args, plen), rows, goals(rows, args.concurrent), plotter(rows))
-
-
-def chat_ids(tok: Tokenizer, system: str) -> list[int]:
-    """The system message as the chat template renders it: every step's prompt starts so."""
-    text = tok.apply_chat_template([{"role": "system", "content": system}], False)
-    return tok.encode(text, add_special_tokens=False)
 
 
 def turn(text: str) -> list[int]:
@@ -259,6 +234,7 @@ def config(args: Any, plen: int) -> dict[str, Any]:
 
 
 MODEL: Any = None
+HF: Any = None  # SmolLM2 as an HF checkpoint, vLLM's
 TOK: Any = None
 TURN: list[int] = []
 TASKS = 2

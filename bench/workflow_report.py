@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
 from bench.common import goal
 
 SYSTEMS = ("lru", "hints", "hints+prefetch")
+
+
+def summarize(recs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """A system's row from its step records (step, ttft, prompt, and the prompt tokens found
+    in the engine, cpu and disk tiers; warm: the step started with its agent's prompt there)."""
+    prompt = sum(r["prompt"] for r in recs)
+    found = {k: sum(r[k] for r in recs) for k in ("engine", "cpu", "disk")}
+    warned = [r["warm"] for r in recs if r["step"] > 0]
+    return dict(
+        time_s=wall,
+        ttft_ms=1000 * statistics.median(r["ttft"] for r in recs),
+        steps=len(recs),
+        engine_pct=100 * found["engine"] / prompt,
+        cpu_pct=100 * found["cpu"] / prompt,
+        disk_pct=100 * found["disk"] / prompt,
+        computed_pct=100 * (prompt - sum(found.values())) / prompt,
+        warm_pct=100 * sum(warned) / max(1, len(warned)),
+    )
 
 
 def goals(rows: list[dict[str, Any]], conc: int) -> list[dict[str, Any]]:
@@ -49,8 +68,9 @@ def plotter(rows: list[dict[str, Any]]) -> Callable[[Any], None]:
 
 def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     labels = sorted({(r["memory"], r["workflows"]) for r in rows})
-    width = 0.8 / len(SYSTEMS)
-    for k, system in enumerate(SYSTEMS):
+    systems = [s for s in (*SYSTEMS, "vllm") if any(r["system"] == s for r in rows)]
+    width = 0.8 / len(systems)
+    for k, system in enumerate(systems):
         vals = [
             next(
                 r["time_s"]
