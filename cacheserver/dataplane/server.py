@@ -22,18 +22,21 @@ from pathlib import Path
 
 from tierkv.cacheserver.auth import Auth
 from tierkv.cacheserver.dataplane import server_ops as ops
-from tierkv.cacheserver.dataplane import server_put
+from tierkv.cacheserver.dataplane import server_part, server_put
 from tierkv.cacheserver.dataplane.conn import Conn
 from tierkv.cacheserver.dataplane.protocol import (
     BAD_REQUEST,
     BUSY,
     GET,
+    GET_PART,
     HELLO,
     OK,
     PUT,
     RELEASE,
     STREAM,
     UNAUTHENTICATED,
+    VERSION,
+    WELCOME,
     pack,
 )
 from tierkv.cacheserver.dataplane.region import ALIGN, RangeAllocator, Region
@@ -133,6 +136,8 @@ class DataPlane:
                     await conn.sendall(
                         await ops.get_into_region(self.store, self.counts, session, count, body)
                     )
+                elif op == GET_PART:
+                    await server_part.get_part(self.store, self.counts, conn, session, count, body)
                 elif op == STREAM:
                     await ops.stream(
                         self.store, self.counts, conn, session, count, body, self.inflight
@@ -180,12 +185,12 @@ class DataPlane:
         if not shm:
             session = Session(ns, None, RangeAllocator(ALIGN))
             self.sessions.add(session)
-            await conn.sendall(pack(OK, 0, struct.pack("<Q", 0)))
+            await conn.sendall(pack(OK, 0, WELCOME.pack(0, VERSION)))
             return session
         region = Region.create(self.region_bytes)
         session = Session(ns, region, RangeAllocator(region.size))
         self.sessions.add(session)
-        msg = pack(OK, 0, struct.pack("<Q", region.size))
+        msg = pack(OK, 0, WELCOME.pack(region.size, VERSION))
         fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [region.fd]))]
         conn.sock.setblocking(True)  # one small message with the fd; then back to non-blocking
         try:
