@@ -17,6 +17,7 @@ import os
 import socket
 import ssl
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,10 +63,12 @@ class DataPlane:
     handshake_s: float = 10.0  # a TCP session's TLS handshake and HELLO must end within this
     tcp_port: int = 0  # the TCP port bound, once started
     sessions: set[Session] = field(default_factory=set)
+    senders: ThreadPoolExecutor | None = None  # GET_PART's sending threads (at most one a session)
     _listeners: list[socket.socket] = field(default_factory=list)
     _accepting: list[asyncio.Future] = field(default_factory=list)
 
     async def start(self) -> None:
+        self.senders = ThreadPoolExecutor(self.max_sessions, thread_name_prefix="tierkv-send")
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()  # a socket left by a server that died
@@ -102,6 +105,8 @@ class DataPlane:
     async def stop(self) -> None:
         for a in self._accepting:
             a.cancel()
+        if self.senders is not None:
+            self.senders.shutdown(wait=False)
         for sock in self._listeners:
             sock.close()
         if self.path is not None:
@@ -137,7 +142,9 @@ class DataPlane:
                         await ops.get_into_region(self.store, self.counts, session, count, body)
                     )
                 elif op == GET_PART:
-                    await server_part.get_part(self.store, self.counts, conn, session, count, body)
+                    await server_part.get_part(
+                        self.store, self.counts, conn, session, count, body, self.senders
+                    )
                 elif op == STREAM:
                     await ops.stream(
                         self.store, self.counts, conn, session, count, body, self.inflight

@@ -20,6 +20,7 @@ import asyncio
 import select
 import socket
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import torch
 
@@ -42,8 +43,16 @@ POLL_S = 0.5
 
 
 async def get_part(
-    store: TieredStore, counts: Counts, conn: Conn, s: Session, count: int, body: bytes
+    store: TieredStore,
+    counts: Counts,
+    conn: Conn,
+    s: Session,
+    count: int,
+    body: bytes,
+    senders: Executor | None,
 ) -> None:
+    """Answer GET_PART; the share is sent on a thread of `senders` (its own pool: a stalled
+    client holds one of them, never a thread of the loop's default executor)."""
     if count != 1 or len(body) != KEY_NBYTES + PART.size:
         raise Refused(f"GET_PART of {count} keys with a body of {len(body)} bytes")
     part, parts = PART.unpack_from(body, KEY_NBYTES)
@@ -61,7 +70,7 @@ async def get_part(
             lo, hi = first * h.layer_raw_nbytes, end * h.layer_raw_nbytes
             head = h.encode()
             msg = pack(OK, 1) + REPLY.pack(lo, hi - lo, len(head)) + head
-            await send_off_loop(conn, [memoryview(msg), *cut(views.views, lo, hi)])
+            await send_off_loop(conn, [memoryview(msg), *cut(views.views, lo, hi)], senders)
         counts.count_get(s.ns, top.name, hi - lo)
         return
     seg, where = await store.get_from(key, s.ns)
@@ -75,7 +84,7 @@ async def get_part(
     raw = seg.payload.reshape(-1).view(torch.uint8).numpy().data
     head = h.encode()
     msg = pack(OK, 1) + REPLY.pack(lo, hi - lo, len(head)) + head
-    await send_off_loop(conn, [memoryview(msg), raw[lo:hi]])
+    await send_off_loop(conn, [memoryview(msg), raw[lo:hi]], senders)
     counts.count_get(s.ns, where, hi - lo)
 
 
@@ -90,13 +99,13 @@ def cut(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryview]:
     return out
 
 
-async def send_off_loop(conn: Conn, views: list[memoryview]) -> None:
-    """Send views in order from a worker thread (on the loop under TLS: its records are made
-    here); returns only once the thread no longer touches them."""
-    if conn.tls is not None:
+async def send_off_loop(conn: Conn, views: list[memoryview], senders: Executor | None) -> None:
+    """Send views in order from a thread of senders (on the loop under TLS: its records are
+    made here, or without senders); returns only once the thread no longer touches them."""
+    if conn.tls is not None or senders is None:
         await conn.send_views(views)
         return
-    fut = asyncio.get_running_loop().run_in_executor(None, send_blocking, conn.sock, views)
+    fut = asyncio.get_running_loop().run_in_executor(senders, send_blocking, conn.sock, views)
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
