@@ -11,7 +11,9 @@ memory and its TCP data port, 3 transfers each. Every client keeps one connectio
 whole run, as a connector keeps its session, and checks the bytes it gets back once per size.
 A put's time is a batch of 3 over 3 (LMCache's PUT has no reply); a get's is the median of 3.
 The table gives GB/s as the median over rounds, and ratios taken within each round. Every
-server is a real process on loopback.
+server is a real process on loopback. `--stripes N` (default 2; 1: off) adds a column of the
+TCP port with N connections per session (DataTier's `stripes`) for the 32 MiB get and the
+STREAM of 64 keys, the loads striping splits.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ COLUMNS = {  # the table's GB/s columns
     "tierkv shared memory": "shared_memory_gbps",
     "tierkv TCP port": "tcp_port_gbps",
 }
+STRIPED = "tierkv TCP port, striped"  # DataTier(stripes=--stripes): 32 MiB gets, MANY
 ROOT = Path(__file__).resolve().parent.parent
 LMC = ROOT / ".venv-lmcache" / "bin"
 
@@ -91,7 +94,9 @@ class LMCache:
 
 
 async def main() -> None:
-    args = parser(__doc__ or "").parse_args()
+    p = parser(__doc__ or "")
+    p.add_argument("--stripes", type=int, default=2, help="connections of the striped column")
+    args = p.parse_args()
     rounds = 3 if args.quick else 12
     server = ServerProcess(args=["--cpu-bytes", "1GiB", "--disk-bytes", "0"]).start()
     redis = RedisProcess().start()
@@ -100,6 +105,7 @@ async def main() -> None:
     lmc = LMCache()
     raw = Raw([*(s.nbytes for s in segs.values()), small.nbytes])
     tierkv = {name: Tierkv(server.target, how) for name, how in PATHS}
+    striped = Tierkv(server.target, "tcp", args.stripes) if args.stripes > 1 else None
     clients: dict[str, Any] = {
         "raw TCP": raw,
         "LMCache lm://": lmc,
@@ -124,14 +130,18 @@ async def main() -> None:
                         add(name, "stream", mib, n / get_s / 1e9)
                 for name, c in tierkv.items():  # the connector's load: one STREAM of the key
                     add(name, "stream", mib, n / await c.stream(segs[mib], 1, 3) / 1e9)
+                if striped is not None and mib == SIZES[-1]:
+                    add(STRIPED, "get", mib, n / (await striped.round(segs[mib], 3))[1] / 1e9)
             m = small.nbytes
             for name in BASELINES:  # 64 gets of 256 KiB against one STREAM of 64 keys
                 get_s = (await _maybe(clients[name].round(small, 64)))[1]
                 add(name, "stream", MANY, m / get_s / 1e9)
             for name, c in tierkv.items():
                 add(name, "stream", MANY, 64 * m / await c.stream(small, 64, 3) / 1e9)
+            if striped is not None:
+                add(STRIPED, "stream", MANY, 64 * m / await striped.stream(small, 64, 3) / 1e9)
     finally:
-        for c in clients.values():
+        for c in [*clients.values(), *([striped] if striped else [])]:
             await _maybe(c.close())
         server.stop(kill=True)
         redis.stop()
@@ -149,6 +159,11 @@ async def main() -> None:
             row["tcp_port_vs_raw"] = ratio(tcp, got[("raw TCP", op, mib)])
             row["tcp_port_vs_lmcache"] = ratio(tcp, got[("LMCache lm://", op, mib)])
             row["shared_memory_vs_lmcache"] = ratio(shm, got[("LMCache lm://", op, mib)])
+            striped_got = got.get((STRIPED, op, mib))  # N connections against one, per round
+            row["tcp_port_striped_gbps"] = (
+                round(statistics.median(striped_got), 3) if striped_got else None
+            )
+            row["striped_vs_one"] = ratio(striped_got, tcp) if striped_got else None
             rows.append(row)
     print_table(rows)
     goals = []
@@ -199,6 +214,8 @@ async def main() -> None:
         "connections": "one per client for the whole run (a connector's session)",
         "put_seconds": "a batch of 3 puts over 3 (LMCache's PUT has no reply)",
         "lmcache": "lmcache==0.5.6, lmcache_server (lm://), cpu",
+        "stripes": args.stripes,
+        "striped": "tcp_port_striped_gbps: DataTier(stripes=stripes), 32 MiB gets and MANY",
     }
     write_results("tcp_port", config, rows, goals, plot)
 

@@ -88,14 +88,15 @@ class Redis:
 
 
 class Tierkv:
-    """One tierkv client: "grpc" (RemoteTier), "shm" or "tcp" (DataTier)."""
+    """One tierkv client: "grpc" (RemoteTier), "shm" or "tcp" (DataTier, over `stripes`
+    connections)."""
 
-    def __init__(self, target: str, path: str) -> None:
+    def __init__(self, target: str, path: str, stripes: int = 1) -> None:
         self.path = path
         self.tier = (
             RemoteTier(target=target)
             if path == "grpc"
-            else DataTier(target=target, shared_memory=path == "shm")
+            else DataTier(target=target, shared_memory=path == "shm", stripes=stripes)
         )
         self.serial = 0
         self.checked: set[int] = set()
@@ -149,7 +150,7 @@ class Tierkv:
             t0 = time.perf_counter()
             await self.tier.stream(keys, "default", sink)
             times.append(time.perf_counter() - t0)
-        if not torch.equal(sink.bufs[-1], seg.payload):
+        if not all(torch.equal(b, seg.payload) for b in sink.bufs):
             raise RuntimeError(f"tierkv {self.path} streamed other bytes than were put")
         self._check_path()
         for k in keys:

@@ -54,6 +54,10 @@ class ConnectorConfig:
     # ::1), its TCP data port with one elsewhere. False: every load over gRPC streams.
     data_plane: bool = True
     shared_memory: bool = True  # with data_plane, a server on this host over shared memory
+    # With data_plane over the TCP port: connections per session. More than 1 splits a STREAM
+    # of several keys over them and a get of a large key into layer shares, received in
+    # worker threads (cacheserver.dataplane.stripes). 1: one connection.
+    data_plane_stripes: int = 1
 
     def __post_init__(self) -> None:
         self.staging_bytes = parse_size(self.staging_bytes)
@@ -64,6 +68,8 @@ class ConnectorConfig:
             raise ValueError(f"kv_dtype must be 'auto' or 'fp8', got {self.kv_dtype!r}")
         if self.remote is not None and not self.remote.startswith(REMOTE_SCHEMES):
             raise ValueError(f"remote must start with one of {REMOTE_SCHEMES}, got {self.remote!r}")
+        if not 1 <= self.data_plane_stripes <= 64:
+            raise ValueError(f"data_plane_stripes must be 1..64, got {self.data_plane_stripes}")
         if self.max_pending_saves < 1:
             raise ValueError("max_pending_saves must be >= 1")
         if self.tiers.redis_url:
@@ -91,7 +97,12 @@ class ConnectorConfig:
         if self.remote is not None and self.remote.startswith(SERVER_SCHEMES):
             tiers.append(
                 server_tier(
-                    self.remote, self.token, self.tls_ca, self.data_plane, self.shared_memory
+                    self.remote,
+                    self.token,
+                    self.tls_ca,
+                    self.data_plane,
+                    self.shared_memory,
+                    self.data_plane_stripes,
                 )
             )
         if not tiers:
@@ -110,11 +121,12 @@ def server_tier(
     tls_ca: str | None = None,
     data_plane: bool = True,
     shared_memory: bool = True,
+    stripes: int = 1,
 ) -> Tier:
     """The tierkv-server at url (grpc://host:port, or grpcs:// with tls_ca), as a tier. Its
     loads and saves take the server's data plane unless data_plane is False: shared memory
     with a server on this host (127.0.0.1, localhost, ::1) unless shared_memory is False, its
-    TCP data port otherwise (over TLS with grpcs://)."""
+    TCP data port otherwise (over TLS with grpcs://), over `stripes` connections per session."""
     from tierkv.cacheserver.client import RemoteTier
     from tierkv.cacheserver.dataplane.client import DataTier
 
@@ -127,4 +139,10 @@ def server_tier(
         return RemoteTier(target=target, token=token, tls_ca=ca)
     host = target.rsplit(":", 1)[0].strip("[]")
     local = host in ("127.0.0.1", "localhost", "::1")
-    return DataTier(target=target, token=token, tls_ca=ca, shared_memory=shared_memory and local)
+    return DataTier(
+        target=target,
+        token=token,
+        tls_ca=ca,
+        shared_memory=shared_memory and local,
+        stripes=stripes,
+    )

@@ -113,7 +113,7 @@ def data_plane_puts(target: str, rss, sessions: int = 60) -> tuple[int, list[int
     1 MiB more, then hang:
     the RSS growth while they are open, and each one's status: BUSY, RESET (refused with our
     bytes unread, so the kernel reset the connection) or -1 (still receiving)."""
-    from tierkv.cacheserver.dataplane.protocol import BUSY, HEAD, HELLO, PUT, pack
+    from tierkv.cacheserver.dataplane.protocol import BUSY, HEAD, HELLO, PUT, WELCOME, pack
 
     async def port() -> int:
         t = RemoteTier(target=target)
@@ -128,7 +128,10 @@ def data_plane_puts(target: str, rss, sessions: int = 60) -> tuple[int, list[int
     for i in range(sessions):
         sock = socket.create_connection(("127.0.0.1", tcp), 10)
         sock.sendall(pack(HELLO, 0))
-        assert HEAD.unpack(sock.recv(HEAD.size + 8)[: HEAD.size])[0] == 0
+        assert (
+            HEAD.unpack(sock.recv(HEAD.size + WELCOME.size, socket.MSG_WAITALL)[: HEAD.size])[0]
+            == 0
+        )
         key = i.to_bytes(16, "little")
         total, header = big_header(key)
         head = pack(PUT, 1, key + total.to_bytes(8, "little")) + header

@@ -278,6 +278,32 @@ def test_a_client_checks_every_frame(cut: int, flips: list[tuple[int, int]]) -> 
                 assert torch.equal(sink.payload(j)[layer], s.payload[layer])
 
 
+def test_a_key_whose_last_layer_was_never_made_ready_is_dropped() -> None:
+    """The session ends after key 0's last layer and before key 1's: that layer is never made
+    ready, so key 0 is dropped with key 1 (never left complete but not ready)."""
+    segs = [segment(50 + i) for i in range(2)]
+    wire = frames(segs)
+    last = FRAME.size + segs[1].payload[LAYERS - 1].nbytes
+
+    async def run() -> Sink:
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.sendall(wire[:-last])
+        theirs.shutdown(socket.SHUT_WR)
+        sink = Sink(2)
+        try:
+            with pytest.raises(EOFError):
+                await Session(Conn(ours), None, 1 << 20).stream([s.key for s in segs], sink)
+        finally:
+            ours.close()
+            theirs.close()
+        return sink
+
+    sink = asyncio.run(run())
+    assert [r for r, _ in sink.ready_at] == list(range(LAYERS - 1))
+    assert set(sink.dropped) == {0, 1}
+
+
 def test_inline_streams_take_memory_from_the_budget_and_give_it_back() -> None:
     """Over TCP each key's layer buffer comes from the server's in-flight budget (256 KiB here,
     16 KiB per layer): keys past it are dropped, not buffered, and the budget comes back."""

@@ -24,6 +24,7 @@ from tierkv.cacheserver.dataplane.protocol import (
     RELEASE,
     STREAM,
     UNAUTHENTICATED,
+    WELCOME,
     pack,
 )
 from tierkv.cacheserver.launch import ServerProcess
@@ -110,7 +111,7 @@ def session(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), 10)
     sock.sendall(pack(HELLO, 0, b"alpha-token"))
     code, _, n = HEAD.unpack(recv(sock, HEAD.size))
-    assert code == OK and len(recv(sock, n)) == 8
+    assert code == OK and len(recv(sock, n)) == WELCOME.size
     return sock
 
 

@@ -9,7 +9,9 @@ Safety contract: RemoteTier's, and: the session authenticates with this tier's t
 payload is copied out of the region (or received from the socket) and its layer checksums
 checked before the range is released or the segment handed out; when the data plane is off,
 unreachable or fails, loads and saves go over gRPC (the session is dropped, with every exchange
-still in flight on it, and retried after `retry_s`).
+still in flight on it, and retried after `retry_s`). With `stripes` > 1 over TCP, STREAMs of
+several keys and gets of large keys spread over that many connections
+(cacheserver.dataplane.stripes); a failure on any of them drops them all, as one session.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import ssl
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +35,12 @@ from tierkv.cacheserver.dataplane.client_session import (
     handshake_unix,
 )
 from tierkv.cacheserver.dataplane.conn import Conn, tls_context
-from tierkv.cacheserver.dataplane.protocol import MAX_KEYS
+from tierkv.cacheserver.dataplane.protocol import MAX_KEYS, MAX_PARTS
 from tierkv.cacheserver.dataplane.region import Region
+from tierkv.cacheserver.dataplane.stripe_io import StripeConn
+from tierkv.cacheserver.dataplane.stripes import Stripes, striped_get, striped_stream
 from tierkv.proto import tierkv_pb2 as pb
+from tierkv.storage_backends.buffers import out_view
 from tierkv.storage_backends.names import check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 from tierkv.storage_backends.stream import LayerSink
@@ -55,13 +61,24 @@ class DataTier(RemoteTier):
     # connector decides that from the target); else the server's TCP data port.
     shared_memory: bool = True
     retry_s: float = 5.0  # after a data plane failure, loads and saves use gRPC this long
+    # Connections per session over the TCP port (1..MAX_PARTS): with more than 1, a STREAM of
+    # several keys is split over them and a get of at least stripe_min_bytes into a CPU `out`
+    # takes a share of its layers on each, their large receives in worker threads. 1: one
+    # connection, every receive on the event loop.
+    stripes: int = 1
+    stripe_min_bytes: int = 8 << 20
     name: str = "remote"
     _session: Session | None = None
+    _stripes: Stripes | None = None
+    _tcp: tuple[str, int] = ("", 0)  # the TCP data port the session reached
+    _pool: ThreadPoolExecutor | None = None  # the stripes' receiving threads
     _down_until: float = 0.0
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
     _batch: Batcher[Want, tuple[KVSegment, int] | None] | None = None  # reads -> one GET
 
     def __post_init__(self) -> None:
+        if not 1 <= self.stripes <= MAX_PARTS:
+            raise ValueError(f"stripes must be 1..{MAX_PARTS}, not {self.stripes}")
         self._start_stats(device="shm")
 
     @property
@@ -83,11 +100,36 @@ class DataTier(RemoteTier):
             conn = await Conn.open(sock, None, False)
             return Session(conn, Region.attach(fd), self.max_segment_bytes)
         if r.tcp_port:
-            host = self.target.rsplit(":", 1)[0].strip("[]")
-            tls = None if self.tls_ca is None else tls_context(self.tls_ca)
-            conn = await handshake_tcp(host, r.tcp_port, token, self.timeout_s, tls)
-            return Session(conn, None, self.max_segment_bytes)
+            self._tcp = (self.target.rsplit(":", 1)[0].strip("[]"), r.tcp_port)
+            return await self._connect()
         return None
+
+    async def _connect(self) -> Session:
+        """A session on the TCP data port (one stripe of it when stripes > 1)."""
+        tls = None if self.tls_ca is None else tls_context(self.tls_ca)
+        kind = Conn if self.stripes == 1 else StripeConn
+        host, port = self._tcp
+        conn, version = await handshake_tcp(host, port, self.token or "", self.timeout_s, tls, kind)
+        if isinstance(conn, StripeConn):
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.stripes, thread_name_prefix="tierkv-stripe")
+            conn.pool = self._pool
+        return Session(conn, None, self.max_segment_bytes, version=version)
+
+    async def _striped(self, s: Session) -> list[Session] | None:
+        """Every stripe's session when s is striped over TCP (the extra ones opened now)."""
+        if self.stripes == 1 or s.region is not None:
+            return None
+        if self._stripes is None:
+            self._stripes = Stripes(self.stripes, self._connect)
+        return await self._stripes.up(s)
+
+    def _big(self, s: Session, out: Any) -> memoryview | None:
+        """out's bytes when a get into it is striped: a CPU out of stripe_min_bytes or more."""
+        if self.stripes == 1 or s.region is not None or s.version < 2 or out is None:
+            return None
+        n = out.numel() * out.element_size() if hasattr(out, "numel") else memoryview(out).nbytes
+        return out_view(out, n) if n >= self.stripe_min_bytes else None
 
     async def _session_up(self) -> Session | None:
         """The session, opened on first use (the first calls arrive together: one session)."""
@@ -110,6 +152,8 @@ class DataTier(RemoteTier):
             self._down_until = time.monotonic() + self.retry_s
             cur.close()
             self._session = None
+            if self._stripes is not None:
+                self._stripes.close()
         elif s is None:
             self._down_until = time.monotonic() + self.retry_s
 
@@ -117,6 +161,11 @@ class DataTier(RemoteTier):
         s = None
         try:
             s = await self._session_up()
+            if s is not None and (buf := self._big(s, out)) is not None:
+                sessions = await self._striped(s)
+                assert sessions is not None
+                async with asyncio.timeout(self.timeout_s):
+                    return await striped_get(sessions, key, buf)
             if s is not None:
                 if self._batch is None:
                     self._batch = Batcher(self._exchange, MAX_KEYS, DEPTH)
@@ -142,26 +191,33 @@ class DataTier(RemoteTier):
         check_namespace(ns)
         for k in keys:
             check_key(k)
-        s = None
+        s, sessions = None, None
         try:
             s = await self._session_up()
+            if s is not None and len(keys) > 1:
+                sessions = await self._striped(s)
         except FAULTS as e:
-            self._drop("stream", e, None)
+            self._drop("stream", e, s)
+            s = None
         if s is None:
             await RemoteTier.stream(self, keys, ns, sink)
             return
         t0 = time.perf_counter()
         try:
-            got = await s.stream(keys, sink)
+            if sessions is None:
+                got = await s.stream(keys, sink)
+                hits, nbytes = got.hits, got.nbytes
+            else:
+                hits, nbytes = await striped_stream(sessions, keys, sink)
         except FAULTS as e:
             self._drop("stream", e, s)
             return
         except BaseException:  # cancelled midway: the session's framing is lost
             self._drop("stream", asyncio.CancelledError(), s)
             raise
-        self._stats.hits += got.hits
-        self._stats.misses += len(keys) - got.hits
-        self._stats.bytes_out += got.nbytes
+        self._stats.hits += hits
+        self._stats.misses += len(keys) - hits
+        self._stats.bytes_out += nbytes
         self._get_lat.add(time.perf_counter() - t0)
 
     async def _write(self, ns: str, key: bytes, segment: KVSegment) -> int | None:
@@ -180,4 +236,9 @@ class DataTier(RemoteTier):
         if self._session is not None:
             self._session.close()
             self._session = None
+        if self._stripes is not None:
+            self._stripes.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
         await RemoteTier.close(self)

@@ -35,6 +35,7 @@ from tierkv.cacheserver.dataplane.protocol import (
     RELEASE,
     REPLY,
     STREAM,
+    WELCOME,
     buffer,
     pack,
 )
@@ -82,21 +83,27 @@ def handshake_unix(path: str, token: str, timeout_s: float) -> tuple[socket.sock
 
 
 async def handshake_tcp(
-    host: str, port: int, token: str, timeout_s: float, tls: ssl.SSLContext | None
-) -> Conn:
-    """Connect to the server's TCP data port (TLS when tls is given) and authenticate."""
+    host: str,
+    port: int,
+    token: str,
+    timeout_s: float,
+    tls: ssl.SSLContext | None,
+    kind: type[Conn] = Conn,
+) -> tuple[Conn, int]:
+    """Connect to the server's TCP data port (TLS when tls is given) and authenticate: the
+    connection (a `kind`) and the protocol version the server speaks."""
     loop = asyncio.get_running_loop()
     sock = await loop.run_in_executor(None, socket.create_connection, (host, port), timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = await asyncio.wait_for(Conn.open(sock, tls, False, host), timeout_s)
+        conn = await asyncio.wait_for(kind.open(sock, tls, False, host), timeout_s)
         await conn.sendall(pack(HELLO, 0, token.encode()))
         code, _, n = HEAD.unpack(await asyncio.wait_for(conn.recv_exactly(HEAD.size), timeout_s))
         body = await conn.recv_exactly(min(n, MAX_BODY)) if n else b""
         if code != OK:
             why = body.decode(errors="replace")
             raise ConnectionError(f"data plane refused the session: {why}")
-        return conn
+        return conn, WELCOME.unpack_from(body)[1] if len(body) >= WELCOME.size else 1
     except BaseException:
         sock.close()
         raise
@@ -107,6 +114,7 @@ class Session:
     conn: Conn
     region: Region | None  # None: over TCP, each payload follows its reply
     max_bytes: int  # largest payload accepted from the server
+    version: int = 1  # the protocol version the server announced
     released: list[int] = field(default_factory=list)  # offsets to release with the next op
     pipe: Pipeline = field(init=False)
 

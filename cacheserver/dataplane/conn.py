@@ -34,13 +34,17 @@ class Conn:
     outgoing: ssl.MemoryBIO = field(default_factory=ssl.MemoryBIO)
     flushing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sock_sendall at a time
 
-    @staticmethod
+    @classmethod
     async def open(
-        sock: socket.socket, ctx: ssl.SSLContext | None, server_side: bool, host: str | None = None
+        cls,
+        sock: socket.socket,
+        ctx: ssl.SSLContext | None,
+        server_side: bool,
+        host: str | None = None,
     ) -> Conn:
-        """sock as a connection, TLS when ctx is given (the handshake done here)."""
+        """sock as a connection (of this class), TLS when ctx is given (the handshake done here)."""
         sock.setblocking(False)
-        c = Conn(sock)
+        c = cls(sock)
         if ctx is not None:
             c.tls = ctx.wrap_bio(c.incoming, c.outgoing, server_side, host)
             await c._step(c.tls.do_handshake)

@@ -27,6 +27,16 @@ bytes follow on the socket. The server takes memory as they arrive, under its in
 budget (past it: BUSY, and the session closes), checks the whole segment as a gRPC Put is
 checked, and answers OK with count 1 when it stored it.
 
+GET_PART (TCP port, protocol version 2) names one key, then PART: (part, parts), 0 <= part <
+parts <= MAX_PARTS. It asks for the key's layers [part_layers(L, part, parts)) of its L layers
+(the client need not know L: each of `parts` requests on its own connection takes a share, a
+striped load). It is answered as a GET of one key over TCP (OK; REPLY with the range's first
+byte in the payload as its offset and the range's bytes as its size; the whole header; the
+range's bytes), a miss as REPLY (0, 0, 0); an empty range (L < parts) has size 0 and its
+header. A part or parts out of bounds is refused (BAD_REQUEST; the session closes, nothing
+changes). HELLO's OK body is the region's bytes (u64, 0 over TCP) and the protocol version
+(u32); a body without the version is version 1 (no GET_PART).
+
 Safety contract:
 - a region belongs to one session, made fresh (zero-filled by the kernel) for it: it only ever
   holds bytes of that session's namespace, taken from the caller's token;
@@ -46,7 +56,11 @@ import torch
 HEAD = struct.Struct("<IIQ")
 # A GET reply, per key: region offset, payload bytes (0: miss), header bytes.
 REPLY = struct.Struct("<QQI")
-HELLO, GET, RELEASE, PUT, STREAM = 1, 2, 3, 4, 5
+HELLO, GET, RELEASE, PUT, STREAM, GET_PART = 1, 2, 3, 4, 5, 6
+VERSION = 2  # the protocol version a server announces in HELLO's reply
+WELCOME = struct.Struct("<QI")  # HELLO's OK body: region bytes, protocol version
+PART = struct.Struct("<II")  # GET_PART's body after the key: part, parts
+MAX_PARTS = 64
 OK, UNAUTHENTICATED, BAD_REQUEST, BUSY = 0, 1, 2, 3
 # A GET reply's offset for a key the region had no room for (its size is 0): load it another
 # way. A miss is offset 0, size 0.
@@ -57,6 +71,11 @@ FRAME = struct.Struct("<IIIQQ")
 INLINE = FULL
 MAX_KEYS = 4096  # keys in one GET
 MAX_BODY = 64 * 1024  # request bodies: a token or at most MAX_KEYS keys/offsets
+
+
+def part_layers(layers: int, part: int, parts: int) -> tuple[int, int]:
+    """The layers [first, end) that part `part` of `parts` covers of a segment of `layers`."""
+    return layers * part // parts, layers * (part + 1) // parts
 
 
 def pack(code: int, count: int, body: bytes = b"") -> bytes:

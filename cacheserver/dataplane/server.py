@@ -17,23 +17,27 @@ import os
 import socket
 import ssl
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierkv.cacheserver.auth import Auth
 from tierkv.cacheserver.dataplane import server_ops as ops
-from tierkv.cacheserver.dataplane import server_put
+from tierkv.cacheserver.dataplane import server_part, server_put
 from tierkv.cacheserver.dataplane.conn import Conn
 from tierkv.cacheserver.dataplane.protocol import (
     BAD_REQUEST,
     BUSY,
     GET,
+    GET_PART,
     HELLO,
     OK,
     PUT,
     RELEASE,
     STREAM,
     UNAUTHENTICATED,
+    VERSION,
+    WELCOME,
     pack,
 )
 from tierkv.cacheserver.dataplane.region import ALIGN, RangeAllocator, Region
@@ -59,10 +63,12 @@ class DataPlane:
     handshake_s: float = 10.0  # a TCP session's TLS handshake and HELLO must end within this
     tcp_port: int = 0  # the TCP port bound, once started
     sessions: set[Session] = field(default_factory=set)
+    senders: ThreadPoolExecutor | None = None  # GET_PART's sending threads (at most one a session)
     _listeners: list[socket.socket] = field(default_factory=list)
     _accepting: list[asyncio.Future] = field(default_factory=list)
 
     async def start(self) -> None:
+        self.senders = ThreadPoolExecutor(self.max_sessions, thread_name_prefix="tierkv-send")
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()  # a socket left by a server that died
@@ -99,6 +105,8 @@ class DataPlane:
     async def stop(self) -> None:
         for a in self._accepting:
             a.cancel()
+        if self.senders is not None:
+            self.senders.shutdown(wait=False)
         for sock in self._listeners:
             sock.close()
         if self.path is not None:
@@ -132,6 +140,10 @@ class DataPlane:
                 elif op == GET:
                     await conn.sendall(
                         await ops.get_into_region(self.store, self.counts, session, count, body)
+                    )
+                elif op == GET_PART:
+                    await server_part.get_part(
+                        self.store, self.counts, conn, session, count, body, self.senders
                     )
                 elif op == STREAM:
                     await ops.stream(
@@ -180,12 +192,12 @@ class DataPlane:
         if not shm:
             session = Session(ns, None, RangeAllocator(ALIGN))
             self.sessions.add(session)
-            await conn.sendall(pack(OK, 0, struct.pack("<Q", 0)))
+            await conn.sendall(pack(OK, 0, WELCOME.pack(0, VERSION)))
             return session
         region = Region.create(self.region_bytes)
         session = Session(ns, region, RangeAllocator(region.size))
         self.sessions.add(session)
-        msg = pack(OK, 0, struct.pack("<Q", region.size))
+        msg = pack(OK, 0, WELCOME.pack(region.size, VERSION))
         fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [region.fd]))]
         conn.sock.setblocking(True)  # one small message with the fd; then back to non-blocking
         try:

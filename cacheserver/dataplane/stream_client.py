@@ -54,10 +54,12 @@ class Inbound:
         return self.ended == len(self.keys)
 
     def fail(self, why: str) -> None:
-        """The session failed: every key still wanted and not complete is dropped."""
+        """The session failed: every key still wanted and not made ready whole is dropped (one
+        whose last layer arrived, while a layer of another key did not, included)."""
+        whole = self.layers and self.next_ready == self.layers
         for i in range(len(self.keys)):
-            if self.wanted[i] and self.nxt[i] >= 0:
-                self._gone(i, why, self.nxt[i])
+            if self.wanted[i] and (self.nxt[i] >= 0 or not whole):
+                self._gone(i, why, self.nxt[i] if self.nxt[i] >= 0 else self.next_ready)
 
     async def frame(self, conn: Conn, i: int, layer: int, hlen: int, size: int, off: int):
         if not 0 <= i < len(self.keys) or self.nxt[i] < 0:
