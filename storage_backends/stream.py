@@ -37,6 +37,10 @@ class LayerSink(Protocol):
     # Optional attribute `checks = True`: whoever reads the layers next checks each checksum
     # itself (a server sending to its client), so a memory tier may skip its own check of
     # bytes it holds (disk and Redis bytes are checked always). See `reader_checks`.
+    # Optional method `place(i, layer, data)`: the sink reads a layer where it already lies,
+    # checked (read-only `data`, valid until the stream returns), instead of having it copied
+    # into `into(i, layer)`; a data plane session over shared memory hands its region's ranges
+    # this way (cacheserver.dataplane.stream_client). Other tiers ignore it.
 
     def open(self, i: int, header: SegmentHeader) -> bool:
         """Whether key i's segment is wanted (False drops it)."""

@@ -16,6 +16,7 @@ from tierkv.cacheserver.server import Server
 from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.copies import copied, counting
 from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+from tierkv.storage_backends.header import SegmentHeader
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE as NS
 from tierkv.storage_backends.segment import KVSegment
 from tierkv.storage_backends.store import StoreConfig, TieredStore
@@ -28,6 +29,39 @@ def segment(key: bytes = b"k" * 16) -> KVSegment:
     )
     seg.owned = True  # handed over, as the connector hands over its staging tensors
     return seg
+
+
+class Copying:
+    """A LayerSink whose layers are copied into its buffer."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, bytes | memoryview] = {}
+
+    def open(self, i: int, header: SegmentHeader) -> bool:
+        self.n = header.layer_raw_nbytes
+        self.buf = memoryview(bytearray(header.payload_raw_nbytes))
+        return True
+
+    def into(self, i: int, layer: int) -> memoryview:
+        self.layers[layer] = self.buf[layer * self.n : (layer + 1) * self.n]
+        return self.layers[layer]
+
+    def drop(self, i: int, why: str) -> None:
+        raise AssertionError(f"key {i} dropped: {why}")
+
+    async def ready(self, layer: int) -> None:
+        self.layers[layer] = bytes(self.layers[layer])  # what a scatter would read, now
+
+    def payload(self, seg: KVSegment) -> torch.Tensor:
+        raw = bytearray(b"".join(self.layers[i] for i in range(len(self.layers))))
+        return torch.frombuffer(raw, dtype=seg.payload.dtype).view(seg.payload.shape)
+
+
+class Placing(Copying):
+    """A LayerSink that reads the layers where they lie (the region), in its `ready`."""
+
+    def place(self, i: int, layer: int, data: memoryview) -> None:
+        self.layers[layer] = data
 
 
 def nonzero(c: Counter[str]) -> dict[str, int]:
@@ -98,8 +132,8 @@ async def test_copies_per_hop_save_and_load(redis_proc, tmp_path) -> None:
         assert loads == {"wire.assemble": payload, "wire.frame": payload}
         assert nonzero(c)["cpu.put"] == 2 * whole  # the two promotions
 
-        # Over shared memory: from the server's cpu tier straight into the region (1), out of
-        # the region (1); from Redis, copied into the region (1), out of it (1).
+        # Over shared memory: from the server's cpu-tier pages straight into the region (1),
+        # out of the region (1); from Redis, copied into the region (1), out of it (1).
         for from_redis in (False, True):
             if from_redis:
                 for t in server.store.tiers[:2]:
@@ -111,10 +145,20 @@ async def test_copies_per_hop_save_and_load(redis_proc, tmp_path) -> None:
                 await server.store.drain()
             loads = nonzero(c)
             assert loads.pop("cpu.put", 0) == (whole if from_redis else 0)  # promotion, queued
-            first = "shm.copy_in" if from_redis else "cpu.get"
-            assert loads == {first: payload, "shm.copy_out": payload}
+            assert loads == {"shm.copy_in": payload, "shm.copy_out": payload}
             await shm.close()
             await server.store.drain()
+        # A STREAM over shared memory: each layer out of the region into the sink's buffer (1),
+        # or none where the sink reads it in place (`place`, its own scatter reads the region).
+        for t in server.store.tiers[:2]:
+            assert await t.put(seg.key, seg, NS)
+        shm = DataTier(target=target)
+        for sink in (Copying(), Placing()):
+            with counting() as c:
+                await shm.stream([seg.key], NS, sink)
+            assert torch.equal(sink.payload(seg), seg.payload)
+            assert c["stream.copy_out"] == (0 if isinstance(sink, Placing) else payload)
+        await shm.close()
         # Over TCP: the kernel's copies only, from the server's cpu-tier pages (sent as they
         # are) straight into the client's buffer; from Redis, none of ours either.
         for from_redis in (False, True):

@@ -6,9 +6,12 @@ replies are still being read, and each reply is read in request order by its own
 Safety contract: every reply is read by the exchange that asked for it and checked against what
 was asked (count, key, shape, range inside the region, sizes within the caller's limit) before
 a byte is used, and each payload's layer checksums before it is handed out; a region range is
-RELEASEd (with a later request) only after its payload was copied out and checked; anything
-that does not fit raises and breaks the session (every exchange waiting on it raises too), and
-the caller drops it."""
+RELEASEd (with a later request) only once nothing reads it any more: a GET's after its payload
+was copied out and checked, a STREAM's after the stream returned, so after its sink's last
+`ready` (a sink that reads layers in place, `place`, reads them from the range itself, checked
+there, and keeps no view past that: cacheserver.dataplane.stream_client); anything that does
+not fit raises and breaks the session (every exchange waiting on it raises too), and the
+caller drops it (the server frees the whole region when the socket closes)."""
 
 from __future__ import annotations
 

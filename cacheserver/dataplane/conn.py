@@ -153,11 +153,17 @@ async def _sock_recv_exactly(sock: socket.socket, n: int) -> bytes:
     else:
         if not first and n:
             raise EOFError("connection closed")
-    if len(first) == n:
-        return first
+        if len(first) == n:
+            return first
     buf = bytearray(n)
     buf[: len(first)] = first
-    await _sock_recv_into(sock, memoryview(buf)[len(first) :])
+    view, got = memoryview(buf), len(first)
+    loop = asyncio.get_running_loop()
+    while got < n:  # nothing more is there yet: wait for it rather than try again at once
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise EOFError("connection closed")
+        got += k
     return bytes(buf)
 
 

@@ -103,10 +103,12 @@ class Region:
             os.close(self.fd)
             self.fd = -1
 
-    def close(self) -> None:
-        """Unmap (once no view of the mapping is alive) and close the fd."""
+    def close(self) -> bool:
+        """Unmap and close the fd; False when a view of the mapping is still alive (the mapping,
+        and the fd mmap keeps, go when the last one does)."""
+        self.close_fd()
         try:
             self.map.close()
-        except BufferError:  # a view still exists: the mapping goes when it does
-            pass
-        self.close_fd()
+        except BufferError:
+            return False
+        return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -175,7 +176,10 @@ class DataPlane:
             conn.close()
             if session is not None:
                 self.sessions.discard(session)
-                if session.region is not None:
+                if session.region is not None and not session.region.close():
+                    # An exchange that failed midway left views of the region in its
+                    # traceback's reference cycle: collect it, so the region goes now.
+                    gc.collect()
                     session.region.close()
 
     async def _hello(self, conn: Conn, shm: bool) -> Session | None:

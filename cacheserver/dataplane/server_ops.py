@@ -76,6 +76,10 @@ async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, b
     region = s.region
     assert region is not None  # only shared-memory sessions come here
     top = store.tiers[0]
+    if isinstance(top, CpuTier):
+        hit = _from_pages(top, s, region, key)
+        if hit is not None:
+            return hit
     entry = top.index.get((s.ns, key)) if isinstance(top, IndexedTier) else None
     head = getattr(entry, "header", None)
     if head is not None and head.codec == "none":  # read straight into the region
@@ -99,6 +103,32 @@ async def _read(store: TieredStore, s: Session, key: bytes) -> tuple[int, int, b
     region.map[off : off + len(raw)] = raw
     copied("shm.copy_in", len(raw))
     return off, len(raw), seg.full_header().encode(), where
+
+
+def _from_pages(
+    top: CpuTier, s: Session, region: Region, key: bytes
+) -> tuple[int, int, bytes, str] | None:
+    """A cpu-tier hit copied from the tier's pages (held while they are read) straight into the
+    region: one memcpy per page run, none of a get's per-call work; None where it is not one
+    (absent, compressed, or found corrupt: the store's own get answers then)."""
+    entry = top.index.get((s.ns, key))
+    if entry is None or entry.header.codec != "none":
+        return None
+    n = entry.header.payload_raw_nbytes
+    off = s.ranges.alloc(n)
+    if off is None:
+        return FULL, 0, b"", ""
+    views = top.payload_views(key, s.ns)
+    if views is None:
+        s.ranges.release(off)
+        return None
+    with views:
+        dst, pos = memoryview(region.map), off
+        for v in views.views:
+            dst[pos : pos + len(v)] = v
+            pos += len(v)
+    copied("shm.copy_in", n)
+    return off, n, views.header.encode(), top.name
 
 
 async def get_inline(

@@ -5,12 +5,19 @@ Safety contract: every frame is checked against what was asked (index, layer ord
 and shape, the region range) before a byte is used, and every layer's checksum before the sink
 sees it ready. A frame that does not fit raises (the caller drops the session); a layer whose
 checksum fails drops its key.
+
+A sink with a `place(i, layer, data)` method reads the layers that lie in the region in place:
+`data` is a read-only view of the layer's range, handed over only once its checksum was checked
+there (the server writes a range only before its frame and never again before the client
+RELEASEs it, so the checked bytes stay as they were). The ranges are RELEASEd only after the
+stream returned, so after the sink's last `ready`; the sink must read every view by then and
+keep none. Layers that come inline still go through `into`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.cacheserver.dataplane.conn import Conn
@@ -44,10 +51,12 @@ class Inbound:
     released: list[int] = field(default_factory=list)  # ranges to give back with the next op
     hits: int = 0
     nbytes: int = 0
+    place: Callable[[int, int, memoryview], None] | None = None  # the sink's, if it reads in place
 
     def __post_init__(self) -> None:
         n = len(self.keys)
         self.heads, self.nxt, self.wanted, self.base = [None] * n, [0] * n, [True] * n, [-1] * n
+        self.place = getattr(self.sink, "place", None)
 
     @property
     def finished(self) -> bool:
@@ -100,19 +109,27 @@ class Inbound:
     async def _layer(
         self, conn: Conn, i: int, h: SegmentHeader, layer: int, size: int, off: int
     ) -> None:
-        dst = self.sink.into(i, layer) if self.wanted[i] else buffer(size)
+        in_place = False
         if off == INLINE:
+            dst = self.sink.into(i, layer) if self.wanted[i] else buffer(size)
             await conn.recv_into(dst)
         else:
             if self.region is None or off != self.base[i] + layer * size:
                 raise ValueError(f"stream range of key {i} layer {layer} is not its own")
-            dst[:] = memoryview(self.region.map)[off : off + size]
-            copied("stream.copy_out", size)
+            dst = memoryview(self.region.map)[off : off + size].toreadonly()
+            in_place = self.place is not None or not self.wanted[i]  # nothing to copy out
+            if not in_place:
+                into = self.sink.into(i, layer)
+                into[:] = dst
+                dst = into
+                copied("stream.copy_out", size)
         self.nxt[i] += 1
         if self.wanted[i]:
             if checksum(dst) != h.checksums[layer]:
                 self._gone(i, f"miss: corrupt: layer {layer}: checksum mismatch", layer)
             else:
+                if in_place and self.place is not None:
+                    self.place(i, layer, dst)  # checked above, on these very bytes
                 self.delivered[layer] += 1
                 self.nbytes += size
                 self.hits += self.nxt[i] == h.num_layers
