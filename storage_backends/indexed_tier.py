@@ -121,7 +121,9 @@ class IndexedTier(BaseTier, Generic[E]):
         return [(ns, k) in self.index for k in keys]
 
     async def _delete(self, ns: str, key: bytes) -> bool:
-        return self._remove(ns, key)
+        gone = self._remove(ns, key)
+        self.hints.forget(ns, key)  # a delete is final: pending tags too (the key was in Redis)
+        return gone
 
     def _make_room(self, n: int, ns: str = DEFAULT_NAMESPACE) -> bool:
         """Evict unleased entries not in use, in the policy's order, until n more bytes (a put

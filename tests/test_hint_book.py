@@ -116,9 +116,12 @@ async def test_pending_tags_apply_when_the_put_lands_and_expire() -> None:
     assert await store.put(key(1), segment(1), "a")
     assert book.tags_of("a", key(1)) == [] and book.stats.expired == 1
     assert book.rank("a", key(1)) == NEVER
-    # a delete forgets the key's tags; a new put lands untagged
+    # a delete forgets the key's tags, held or pending; a new put lands untagged
     assert await store.delete(key(0), "a")
     assert book.tags_of("a", key(0)) == []
+    store.hint([key(5)], "a", HINT)
+    assert not await store.delete(key(5), "a")  # not stored: its pending tags go all the same
+    assert ("a", key(5)) not in book.tags and ("a", key(5)) not in book.pending
     store.check_integrity()
     await store.close()
 

@@ -5,6 +5,8 @@ RemoteTier) gets its tags back when a get or a prefetch brings it up again."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -43,7 +45,7 @@ async def server(tmp_path):
         data_socket="",
         data_port=0,  # the TCP data plane, on a free port
         tokens=TOKENS,
-        tiers=TiersConfig(cpu_bytes="4MiB", disk_bytes="0", eviction="hinted", hint_pending=64),
+        tiers=TiersConfig(cpu_bytes="32MiB", disk_bytes="0", eviction="hinted", hint_pending=64),
     )
     s = await Server.start(config, build_store(config))
     yield s
@@ -78,6 +80,29 @@ async def test_a_hint_ahead_of_the_put_applies_by_grpc_and_by_the_data_plane(ser
     finally:
         for t in (a, data, b):
             await t.close()
+
+
+async def test_hints_and_puts_racing_leave_every_key_tagged_and_the_book_balanced(server):
+    target = f"127.0.0.1:{server.port}"
+    a = RemoteTier(target=target, token="token-aaaa")
+    data = DataTier(target=target, token="token-aaaa", shared_memory=False)
+    book = server.store.tiers[0].hints
+    hint = KVHint("w", "coder", next_use=STEPS)
+    try:
+        calls = []
+        for i in range(40):  # each key's hint and put in flight together, either may land first
+            calls.append(a.hint([key(i)], hint))
+            calls.append((a if i % 2 else data).put(key(i), segment(i)))
+        results = await asyncio.gather(*calls)
+        assert all(r is not None and r is not False for r in results)
+        cpu = server.store.tiers[0]
+        assert all(("a", key(i)) in cpu.index for i in range(40))  # all held (nothing evicted)
+        assert [book.rank("a", key(i)) for i in range(40)] == [5] * 40
+        assert book.pending.count("a") == 0
+        server.store.check_integrity()
+    finally:
+        await a.close()
+        await data.close()
 
 
 async def test_pending_hints_of_a_client_are_bounded_per_namespace(server) -> None:
