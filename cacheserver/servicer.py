@@ -206,8 +206,8 @@ class Servicer(pb_grpc.TierKVServicer):
         """Tag, soft-pin and prefetch the caller namespace's keys (cacheserver.hint_call)."""
         async with self._call("Hint", context) as ns:
             h = check_hint(request, self.config.max_keys, self.config.max_pin_s)
-            # held_only: a shared server keeps tags of what it stores, never of any key named
-            tagged, pinned = self.store.hint(h.keys, ns, h.hint, h.pin_ttl_s, held_only=True)
+            # keys not stored yet are tagged pending: bounded per namespace, expiring
+            tagged, pinned = self.store.hint(h.keys, ns, h.hint, h.pin_ttl_s)
             moving = self.store.prefetch(h.keys, ns) if h.prefetch else 0
             return pb.HintResponse(tagged=tagged, pinned=pinned, prefetching=moving)
 

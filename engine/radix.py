@@ -98,9 +98,8 @@ class RadixTree:
         node.parent.children[node.key[: self.block_size]] = upper
         node.key, node.blocks, node.parent = node.key[cut:], node.blocks[nblocks:], upper
         upper.children[node.key[: self.block_size]] = node
-        tags = None if self.book is None else self.book.tags.get((NS, node))
-        if tags:  # the upper part is a prefix of whatever used node
-            self.book.tags[(NS, upper)] = list(tags)  # type: ignore[union-attr]
+        if self.book is not None and (tags := self.book.tags_of(NS, node)):
+            self.book.add_tags(NS, upper, tags)  # the upper part is a prefix of what used node
         return upper
 
     def _walk(self, tokens: list[int] | tuple[int, ...], split: bool) -> tuple[list[int], Node]:
@@ -266,7 +265,7 @@ class RadixTree:
         if self.book is not None:
             self.book.check_integrity()
             nodes = set(self.nodes())
-            for ns, item in list(self.book.tags) + list(self.book.pins):
+            for ns, item in self.book.items():
                 invariant(ns == NS and item in nodes, "hint tags for a node not in the tree")
 
     def nodes(self) -> list[Node]:

@@ -19,10 +19,13 @@ from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
 from tierkv.storage_backends.disk_tier import DiskTier, DiskTierConfig
 from tierkv.storage_backends.eviction import ANY_NS, POLICIES, parse_quotas
 from tierkv.storage_backends.gpu_tier import GpuTier, GpuTierConfig
+from tierkv.storage_backends.hint_book import HintBook
+from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.names import check_namespace
 from tierkv.storage_backends.redis_tier import RedisTier, RedisTierConfig
 from tierkv.storage_backends.sizes import parse_size
 from tierkv.storage_backends.tier import Tier
+from tierkv.storage_backends.workflow import share_book
 
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "unix://")
 
@@ -64,6 +67,20 @@ class TiersConfig:
     # (SIZE: 256MiB, 4096 or 25% of the tier; NS * for every namespace not named, else 0);
     # entries of namespaces over their share are evicted first. none: no quotas.
     quotas: dict[str, int | str] = field(default_factory=dict)
+    # gpu, cpu and disk tiers (one hint book for all of them): keys with workflow hint tags
+    # each namespace keeps, and as many soft-pinned keys; its oldest tags go first.
+    hint_keys: int = 1 << 16
+    # hint book: tagged keys of all namespaces together (and as many pinned); past it the
+    # namespace holding the most loses its oldest, so no namespace's hints push out the tags
+    # of one holding at most hint_keys_total / (namespaces holding tags).
+    hint_keys_total: int = 1 << 18
+    # hint book: tagged keys of a namespace that no gpu, cpu or disk tier holds (hinted before
+    # their put lands, or moved to Redis or the server), their tags kept pending until the
+    # key lands again; the oldest go first.
+    hint_pending: int = 1 << 14
+    # hint book: seconds a pending tag is kept, from the hint (or from when its key left
+    # the last gpu, cpu or disk tier); a key landing later is untagged.
+    hint_pending_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
@@ -80,6 +97,10 @@ class TiersConfig:
         if self.eviction not in POLICIES:
             raise ConfigError(f"eviction must be one of {POLICIES}, got {self.eviction!r}")
         self.quotas = parse_quota_knob(self.quotas)
+        if min(self.hint_keys, self.hint_keys_total, self.hint_pending) < 1:
+            raise ConfigError("hint_keys, hint_keys_total and hint_pending must be >= 1")
+        if not self.hint_pending_s > 0:
+            raise ConfigError(f"hint_pending_s must be > 0, got {self.hint_pending_s}")
 
 
 def parse_quota_knob(value: str | Mapping[str, int | str]) -> dict[str, int | str]:
@@ -129,16 +150,25 @@ def nest(values: Mapping[str, Any]) -> dict[str, Any]:
 
 def build_tiers(c: TiersConfig) -> list[Tier]:
     """The tiers c asks for, fastest first; an empty list when it asks for none."""
-    tiers: list[Tier] = []
+    local: list[IndexedTier] = []
     gpu, cpu, disk = int(c.gpu_bytes), int(c.cpu_bytes), int(c.disk_bytes)
     ev, q = c.eviction, dict(c.quotas)
     if gpu:
-        tiers.append(GpuTier(GpuTierConfig(capacity_bytes=gpu, eviction=ev, quotas=q)))
+        local.append(GpuTier(GpuTierConfig(capacity_bytes=gpu, eviction=ev, quotas=q)))
     if cpu:
-        tiers.append(CpuTier(CpuTierConfig(capacity_bytes=cpu, eviction=ev, quotas=q)))
+        local.append(CpuTier(CpuTierConfig(capacity_bytes=cpu, eviction=ev, quotas=q)))
     if c.disk_dir is not None and disk:
         d = DiskTierConfig(root=c.disk_dir, capacity_bytes=disk, eviction=ev, quotas=q)
-        tiers.append(DiskTier(d))
+        local.append(DiskTier(d))
+    if local:  # one hint book for them all, as a TieredStore of them shares it
+        local[0].hints = HintBook[bytes](
+            max_items=c.hint_keys,
+            max_total=c.hint_keys_total,
+            max_pending=c.hint_pending,
+            pending_ttl_s=c.hint_pending_s,
+        )
+        share_book(local)
+    tiers: list[Tier] = list(local)
     if c.redis_url:
         tiers.append(
             RedisTier(

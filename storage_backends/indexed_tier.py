@@ -32,7 +32,8 @@ class IndexedTier(BaseTier, Generic[E]):
     index: OrderedDict[tuple[str, bytes], E]
     counts: dict[str, int]
     ns_bytes: dict[str, int]  # bytes of each namespace's entries (quota policy)
-    hints: HintBook[bytes]  # workflow tags and pins of this tier's keys (hinted policy)
+    hints: HintBook[bytes]  # workflow tags and pins of its keys (hinted policy; a store's
+    # indexed tiers share one, so tags follow a key across tiers)
     policy: EvictionPolicy
     leases: Leases
     used_bytes: int
@@ -49,7 +50,7 @@ class IndexedTier(BaseTier, Generic[E]):
     ) -> None:
         self.index = OrderedDict()
         self.counts, self.ns_bytes = {}, {}
-        self.hints = HintBook()
+        self.hints = HintBook(held=self._holds)
         self.policy = policy or LruPolicy()
         self.leases = Leases()
         self.used_bytes = self.reserved_bytes = 0
@@ -68,6 +69,9 @@ class IndexedTier(BaseTier, Generic[E]):
     def _check_entries(self) -> None:
         pass
 
+    def _holds(self, ns: str, key: bytes) -> bool:
+        return (ns, key) in self.index
+
     def _in_use(self, entry: E) -> bool:
         """True while a reader holds the entry's memory itself (never evicted then)."""
         return False
@@ -79,10 +83,12 @@ class IndexedTier(BaseTier, Generic[E]):
         n = self._entry_bytes(entry)
         self.used_bytes += n
         self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + n
+        self.hints.landed(ns, key)  # pending tags apply (a put, promotion or prefetch)
 
     def _remove(self, ns: str, key: bytes, forget: bool = True) -> bool:
-        """Take (ns, key) out of the index; its hint tags go too unless forget is False (an
-        eviction forgets them once on_evict has carried them to the next tier)."""
+        """Take (ns, key) out of the index; its hint tags go too when forget (a delete), else
+        they stay in the book, pending while no tier of the book holds the key (an eviction
+        or a bad entry: the key may be in, or on its way to, another tier)."""
         entry = self.index.pop((ns, key), None)
         if entry is None:
             return False
@@ -94,6 +100,8 @@ class IndexedTier(BaseTier, Generic[E]):
             del self.counts[ns], self.ns_bytes[ns]
         if forget:
             self.hints.forget(ns, key)
+        else:
+            self.hints.left(ns, key)
         self._release(entry)
         return True
 
@@ -106,14 +114,16 @@ class IndexedTier(BaseTier, Generic[E]):
     def _corrupt(self, ns: str, key: bytes) -> None:
         """A corrupt or unreadable entry: counted as an error and removed (the caller misses)."""
         self._stats.errors += 1
-        if self._remove(ns, key):
+        if self._remove(ns, key, forget=False):
             self._changed("removed", ns, key, why="corrupt")
 
     async def _contains(self, ns: str, keys: list[bytes]) -> list[bool]:
         return [(ns, k) in self.index for k in keys]
 
     async def _delete(self, ns: str, key: bytes) -> bool:
-        return self._remove(ns, key)
+        gone = self._remove(ns, key)
+        self.hints.forget(ns, key)  # a delete is final: pending tags too (the key was in Redis)
+        return gone
 
     def _make_room(self, n: int, ns: str = DEFAULT_NAMESPACE) -> bool:
         """Evict unleased entries not in use, in the policy's order, until n more bytes (a put
@@ -153,34 +163,14 @@ class IndexedTier(BaseTier, Generic[E]):
         self._stats.evictions += 1
         self._changed("removed", ns, key, why="evicted")
         if seg is not None and self.on_evict is not None:
-            self.on_evict(ns, key, seg)  # the demoter carries the key's hint tags along
-        self.hints.forget(ns, key)
+            self.on_evict(ns, key, seg)  # the tags wait in the book (pending) for the next tier
 
     def hint(
-        self,
-        ns: str,
-        keys: list[bytes],
-        hint: KVHint | None,
-        pin_ttl_s: float = 0.0,
-        held_only: bool = False,
+        self, ns: str, keys: list[bytes], hint: KVHint | None, pin_ttl_s: float = 0.0
     ) -> tuple[list[bytes], list[bytes]]:
-        """Advise the tier's HintBook of hint's workflow and tag keys with its agent (held or
-        not yet, unless held_only: a prompt's chunks are tagged before they are saved); soft-pin
-        the keys held for pin_ttl_s (0: no pin). (keys tagged, keys pinned); only ns's
-        entries change rank. Keys are checked by the caller."""
-        held = [k for k in keys if (ns, k) in self.index]
-        tagged = held if held_only else keys
-        if hint is not None:
-            self.hints.advise(ns, hint)
-            for k in tagged:
-                self.hints.tag(ns, k, hint)
-        else:
-            tagged = []
-        if pin_ttl_s <= 0:
-            return tagged, []
-        for k in held:
-            self.hints.pin(ns, k, pin_ttl_s)
-        return tagged, held
+        """HintBook.hint on the tier's book: (keys tagged, keys pinned); only ns's entries
+        change rank. Keys are checked by the caller."""
+        return self.hints.hint(ns, keys, hint, pin_ttl_s)
 
     # -- the rest of the interface ---------------------------------------------------------
     def lease(self, key: bytes, ns: str = DEFAULT_NAMESPACE, ttl: float | None = None) -> Lease:
@@ -208,7 +198,7 @@ class IndexedTier(BaseTier, Generic[E]):
         for (ns, _), e in self.index.items():
             per_ns[ns] += self._entry_bytes(e)
         invariant(dict(per_ns) == self.ns_bytes, "namespace bytes drifted")
-        # Tags may name keys not held (tagged before the put, or carried ahead of a demotion):
-        # the book bounds them (max_items) and drops a key's tags when it leaves this tier.
+        # The book's tags of keys no tier of it holds are pending (bounded, expiring); it
+        # checks that each tagged key is held or pending, and its per-namespace counts.
         self.hints.check_integrity()
         self._check_entries()

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from tierkv.storage_backends.buffers import clone_to, copy_into
 from tierkv.storage_backends.hints import KVHint
-from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.leases import LeaseGroup
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace, check_put
 from tierkv.storage_backends.segment import KVSegment
@@ -16,7 +15,7 @@ from tierkv.storage_backends.stats import TierStats, summed
 from tierkv.storage_backends.stream import LayerSink
 from tierkv.storage_backends.stream_merge import merged_stream
 from tierkv.storage_backends.tier import ChangeHook, SegmentLayer, Tier
-from tierkv.storage_backends.workflow import Prefetcher, hint_tiers
+from tierkv.storage_backends.workflow import Prefetcher, hint_tiers, share_book
 from tierkv.storage_backends.write_queue import Job, WriteQueue
 
 
@@ -67,24 +66,17 @@ class TieredStore(Tier):
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._writes.demoter(i)
         self.prefetcher = Prefetcher(self)
-        books = [t.hints for t in self.tiers if isinstance(t, IndexedTier)]
-        for b in books[1:]:  # one set of workflow tables; tags are per tier, carried on moves
-            b.tables = books[0].tables
+        share_book(self.tiers)
 
     # -- workflow hints (storage_backends.hints, eviction, prefetch) ------------------------
     def hint(
-        self,
-        keys: Sequence[bytes],
-        ns: str,
-        hint: KVHint | None,
-        pin_ttl_s: float = 0.0,
-        held_only: bool = False,
+        self, keys: Sequence[bytes], ns: str, hint: KVHint | None, pin_ttl_s: float = 0.0
     ) -> tuple[int, int]:
-        """Advise every tier with a HintBook of hint's workflow, tag keys with its agent and
-        soft-pin them (pin_ttl_s > 0) where held; (keys tagged, keys pinned in some tier).
-        held_only: tag only keys a tier holds (a shared server, where hints of keys not
-        stored yet would be unbounded by the cache). Only ns's entries change rank."""
-        return hint_tiers(self.tiers, keys, ns, hint, pin_ttl_s, held_only)
+        """Advise the tiers' HintBook of hint's workflow, tag keys with its agent (held, or
+        pending until they land: bounded per namespace, expiring) and soft-pin them
+        (pin_ttl_s > 0) where held; (keys tagged, keys pinned). Only ns's entries change
+        rank."""
+        return hint_tiers(self.tiers, keys, ns, hint, pin_ttl_s)
 
     def prefetch(self, keys: Sequence[bytes], ns: str = DEFAULT_NAMESPACE) -> int:
         """Move keys up to tiers[0] in the background (storage_backends.workflow); returns at

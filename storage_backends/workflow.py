@@ -1,11 +1,12 @@
-"""Workflow hints over a tiered store: `hint_tiers` tags keys in each tier's HintBook, and
-prefetch moves the KV a workflow's next step needs up the tiers in the background.
+"""Workflow hints over a tiered store: `share_book` gives its indexed tiers one HintBook,
+`hint_tiers` tags keys in it, and prefetch moves the KV a workflow's next step needs up the
+tiers in the background.
 
 `Prefetcher.start(keys, ns)` returns at once; a task locates the keys (one batched lookup),
 reads each one held below tiers[0] from the fastest tier holding it, and puts it into every
-faster tier, carrying its hint tags. A get that arrives meanwhile reads normally (from where
-the key is, promoting it as any hit does): it never waits for the prefetch, so it is never
-slower than without one.
+faster tier (its tags, in the shared book, apply there). A get that arrives meanwhile reads
+normally (from where the key is, promoting it as any hit does): it never waits for the
+prefetch, so it is never slower than without one.
 
 Safety contract: never blocks or fails the caller (every fault is a miss, counted); a key
 already being prefetched is not read twice; at most `max_tasks` prefetches run at once,
@@ -25,12 +26,24 @@ from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.names import check_key, check_namespace
 from tierkv.storage_backends.tier import Tier
-from tierkv.storage_backends.write_queue import carry_hints
 
 if TYPE_CHECKING:
     from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger(__name__)
+
+
+def share_book(tiers: Sequence[Tier]) -> None:
+    """The indexed tiers of a store share the first one's HintBook: a key's tags and pin stay
+    with the key whichever of them holds it, pending while none does (it is in Redis or on
+    the cache server, or on its way between two tiers)."""
+    indexed = [t for t in tiers if isinstance(t, IndexedTier)]
+    if not indexed:
+        return
+    book = indexed[0].hints
+    for t in indexed:
+        t.hints = book
+    book.held = lambda ns, key: any((ns, key) in t.index for t in indexed)
 
 
 def hint_tiers(
@@ -39,19 +52,18 @@ def hint_tiers(
     ns: str,
     hint: KVHint | None,
     pin_ttl_s: float = 0.0,
-    held_only: bool = False,
 ) -> tuple[int, int]:
-    """IndexedTier.hint on every tier that has one (the others keep no hints); (keys tagged,
-    keys pinned) in some tier. Bad keys or namespace raise ValueError before any change."""
+    """HintBook.hint on the book of the tiers that keep one (the others keep no hints);
+    (keys tagged, keys pinned). Bad keys or namespace raise ValueError before any change."""
     check_namespace(ns)
     ks = list(dict.fromkeys(check_key(k) for k in keys))
+    books = {id(t.hints): t.hints for t in tiers if isinstance(t, IndexedTier)}
     tagged: set[bytes] = set()
     pinned: set[bytes] = set()
-    for t in tiers:
-        if isinstance(t, IndexedTier):
-            a, b = t.hint(ns, ks, hint, pin_ttl_s, held_only)
-            tagged.update(a)
-            pinned.update(b)
+    for book in books.values():
+        a, b = book.hint(ns, ks, hint, pin_ttl_s)
+        tagged.update(a)
+        pinned.update(b)
     return len(tagged), len(pinned)
 
 
@@ -126,8 +138,7 @@ class Prefetcher:
         for faster in reversed(tiers[:at]):  # the slower first: tiers[0] last, most recent
             if (ns, key) in self.deleted:
                 return
-            if await faster.put(key, seg, ns):
-                carry_hints(tiers[at], faster, ns, key)
+            if await faster.put(key, seg, ns):  # its tags apply there (the book is shared)
                 if (ns, key) in self.deleted:  # deleted while this put ran: a delete is final
                     await faster.delete(key, ns)
         self.stats.moved += 1

@@ -48,7 +48,6 @@ class WriteQueue:
 
         def demote(ns: str, key: bytes, segment: KVSegment) -> None:
             if self.put(Job(ns, key, segment, i, [i + 1], check=True)):
-                carry_hints(self.tiers[i], self.tiers[i + 1], ns, key)  # priorities move with KV
                 self.stats.demoted += 1
                 self.moving[(ns, key)] = (segment, i + 1)
 
@@ -111,7 +110,6 @@ class WriteQueue:
                 continue
             if await tier.put(job.key, seg, job.ns):
                 self.stats.written += 1
-                carry_hints(self.tiers[job.source], tier, job.ns, job.key)
                 if self.gen.get((job.ns, job.key), 0) != job.gen:  # deleted while this put ran
                     await tier.delete(job.key, job.ns)
 
@@ -126,11 +124,3 @@ class WriteQueue:
             w.cancel()
         await asyncio.gather(*self.workers, return_exceptions=True)
         self.workers, self.queue = [], None
-
-
-def carry_hints(src: Tier, dst: Tier, ns: str, key: bytes) -> None:
-    """dst's HintBook gets the tags and pin src's has for (ns, key): the KV moved from src to
-    dst (tiers without a HintBook, such as Redis or the server, keep none)."""
-    a, b = getattr(src, "hints", None), getattr(dst, "hints", None)
-    if a is not None and b is not None:
-        b.carry(a, ns, key)

@@ -95,11 +95,11 @@ def test_a_hinted_request_tags_its_chunks_here_and_on_the_server(server) -> None
         keys = [c.key for c in conn.states["r1"].chunks]
         local = conn.store.tiers[0]
         assert on(conn.loop, lambda: [local.hints.rank(NS, k) for k in keys]) == [0] * len(keys)
-        assert on(conn.loop, lambda: [local.hints.tags[(NS, k)] for k in keys]) == [
+        assert on(conn.loop, lambda: [local.hints.tags_of(NS, k) for k in keys]) == [
             [("w1", "coder")]
         ] * len(keys)
         remote_cpu = srv.store.tiers[0]
-        tags = on(sloop, lambda: [remote_cpu.hints.tags.get((NS, k)) for k in keys])
+        tags = on(sloop, lambda: [remote_cpu.hints.tags_of(NS, k) for k in keys])
         assert tags == [[("w1", "coder")]] * len(keys)
         assert on(sloop, lambda: remote_cpu.hints.rank(NS, keys[0])) == 0
         # a request without a hint tags nothing more
