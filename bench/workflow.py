@@ -8,16 +8,18 @@ Short user turns, short answers. Systems side by side, each on a fresh engine an
   lru             the engine's and the connector's tiers evict by recency, no hints
   hints           kv_hints on every request: eviction by next use in the engine's prefix cache
                   and the connector's tiers (eviction="hinted"), no prefetch
-  hints+prefetch  the same, and each step prefetches the next step's agents' prompts
+  hints+prefetch  the same, and each step prefetches the next step's agents' prompts (into
+                  the cpu tier, then into free engine blocks: block prefetch)
 
 The KV lives in the engine's blocks, the connector's cpu tier and, below them, its disk tier
 (which holds everything). Memory "tight": the blocks hold ~2.5 agents' prompts and the cpu tier
 ~3 (of 5); "loose": both hold all. Before timing, each agent runs once (untimed) so the disk
 tier holds every prompt: the steady state of an agent service. Measured: end-to-end time of
 all workflows (makespan), median TTFT per step, the share of prompt tokens found in the engine's
-prefix cache, the cpu tier, the disk tier or recomputed, bytes loaded and prefetched, and the
-share of warned steps (every step after the first) that start warm (the system prompt in the
-blocks or the cpu tier). vLLM's prefix caching is not in this bench.
+prefix cache (block-prefetched blocks included), the cpu tier, the disk tier or recomputed,
+bytes loaded, prefetched and block-prefetched, and the share of warned steps (every step after
+the first) that start warm (the system prompt in the blocks or the cpu tier). vLLM's prefix
+caching is not in this bench.
 
 --slow none drops the disk tier (what the cpu tier evicts is recomputed; results in
 bench/results/workflow_recompute.json).
@@ -37,7 +39,7 @@ from tqdm import tqdm
 
 from bench.common import parser, print_table, write_results
 from bench.models import bench_model
-from bench.workflow_report import SYSTEMS, goals, plotter
+from bench.workflow_report import SYSTEMS, config, goals, plotter
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.gguf_loader import load_tokenizer
@@ -133,6 +135,7 @@ def drive(
     plans = [plan(w, TASKS) for w in range(n_wf)]
     at, live, recs = [0] * n_wf, {}, []
     moved0 = conn.store.prefetcher.stats.moved
+    bp0 = sum(llm.block_prefetch.stats.loaded_tokens.values())
 
     def submit(w: int) -> None:
         i, agent = at[w], plans[w][at[w]]
@@ -171,6 +174,7 @@ def drive(
     prompt = sum(r["prompt"] for r in recs)
     found = {k: sum(r[k] for r in recs) for k in ("engine", "cpu", "disk")}
     warned = [r["warm"] for r in recs if r["step"] > 0]
+    block_prefetched = sum(llm.block_prefetch.stats.loaded_tokens.values())
     return dict(
         time_s=wall,
         ttft_ms=1000 * statistics.median(r["ttft"] for r in recs),
@@ -182,6 +186,7 @@ def drive(
         loaded_mb=(found["cpu"] + found["disk"]) * MODEL.kv_bytes(1) / 1e6,
         prefetched_mb=(conn.store.prefetcher.stats.moved - moved0) * MODEL.kv_bytes(CHUNK) / 1e6,
         warm_pct=100 * sum(warned) / max(1, len(warned)),
+        block_prefetched_mb=(block_prefetched - bp0) * MODEL.kv_bytes(1) / 1e6,
     )
 
 
@@ -229,7 +234,9 @@ def main() -> None:
     bar.close()
     print_table(rows)
     name = "workflow" if args.slow == "disk" else "workflow_recompute"
-    write_results(name, config(args, plen), rows, goals(rows, args.concurrent), plotter(rows))
+    write_results(
+        name, config(args, plen, CHUNK, AGENTS), rows, goals(rows, args.concurrent), plotter(rows)
+    )
 
 
 def chat_ids(tok: Tokenizer, system: str) -> list[int]:
@@ -241,21 +248,6 @@ def chat_ids(tok: Tokenizer, system: str) -> list[int]:
 def turn(text: str) -> list[int]:
     """A user message and the assistant's cue, as the chat template renders them."""
     return TOK.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", False)
-
-
-def config(args: Any, plen: int) -> dict[str, Any]:
-    return dict(
-        model="smollm2",
-        dtype="bf16",
-        agents=list(AGENTS),
-        prompt_tokens=plen,
-        chunk=CHUNK,
-        concurrent=args.concurrent,
-        max_tokens=args.max_tokens,
-        quick=args.quick,
-        tiers="engine blocks, cpu tier"
-        + (", disk tier (holds all)" if args.slow == "disk" else ""),
-    )
 
 
 MODEL: Any = None
