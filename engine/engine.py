@@ -116,8 +116,11 @@ class Engine:
             self.model_config.eos_token_id,
             self.max_model_len,
         )
-        # the next step's agents' prompts, from the connector's local tier into free blocks
-        self.block_prefetch = BlockPrefetch(self.scheduler, self.config.block_prefetch)
+        # the next step's agents' prompts, from the connector's local tier into free blocks (a
+        # connector that knows its local tier: get_num_prefetched_tokens)
+        local = type(self.connector).get_num_prefetched_tokens
+        bp = self.config.block_prefetch if local is not KVConnector.get_num_prefetched_tokens else 0
+        self.block_prefetch = BlockPrefetch(self.scheduler, bp)
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.logits_hooks: list[LogitsHook] = []
         self.stats = EngineStats()
