@@ -8,17 +8,19 @@ Short user turns, short answers. Systems side by side, each on a fresh engine an
   lru             the engine's and the connector's tiers evict by recency, no hints
   hints           kv_hints on every request: eviction by next use in the engine's prefix cache
                   and the connector's tiers (eviction="hinted"), no prefetch
-  hints+prefetch  the same, and each step prefetches the next step's agents' prompts
+  hints+prefetch  the same, and each step prefetches the next step's agents' prompts (into
+                  the cpu tier, then into free engine blocks: block prefetch)
 
 The KV lives in the engine's blocks, the connector's cpu tier and, below them, its disk tier
 (which holds everything). Memory "tight": the blocks hold ~2.5 agents' prompts and the cpu tier
 ~3 (of 5); "loose": both hold all. Before timing, each agent runs once (untimed) so the disk
 tier holds every prompt: the steady state of an agent service. Measured: end-to-end time of
 all workflows (makespan), median TTFT per step, the share of prompt tokens found in the engine's
-prefix cache, the cpu tier, the disk tier or recomputed, bytes loaded and prefetched, and the
-share of warned steps (every step after the first) that start warm (the system prompt in the
-blocks or the cpu tier). For reference, vLLM's prefix caching runs the same workflows with the
-engine blocks' KV bytes and nothing below them (bench/workflow_vllm.py; --no-vllm skips it).
+prefix cache (block-prefetched blocks included), the cpu tier, the disk tier or recomputed,
+bytes loaded, prefetched and block-prefetched, and the share of warned steps (every step after
+the first) that start warm (the system prompt in the blocks or the cpu tier). For reference,
+vLLM's prefix caching runs the same workflows with the engine blocks' KV bytes and nothing
+below them (bench/workflow_vllm.py; --no-vllm skips it).
 
 --slow none drops the disk tier (what the cpu tier evicts is recomputed; results in
 bench/results/workflow_recompute.json).
@@ -41,7 +43,7 @@ from bench.common import parser, print_table, write_results
 from bench.models import bench_model
 from bench.serve_vllm import hf_checkpoint
 from bench.workflow_load import AGENTS, CHUNK, chat_ids, next_use, plan, system_prompt
-from bench.workflow_report import SYSTEMS, goals, plotter, summarize
+from bench.workflow_report import SYSTEMS, config, goals, plotter, summarize
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.gguf_loader import load_tokenizer
@@ -97,6 +99,7 @@ def drive(
     plans = [plan(w, TASKS) for w in range(n_wf)]
     at, live, recs = [0] * n_wf, {}, []
     moved0 = conn.store.prefetcher.stats.moved
+    bp0 = sum(llm.block_prefetch.stats.loaded_tokens.values())
 
     def submit(w: int) -> None:
         i, agent = at[w], plans[w][at[w]]
@@ -133,10 +136,12 @@ def drive(
     wall = time.perf_counter() - t0
     llm.drain_saves()
     found = {k: sum(r[k] for r in recs) for k in ("cpu", "disk")}
+    block_prefetched = sum(llm.block_prefetch.stats.loaded_tokens.values())
     return dict(
         **summarize(recs, wall),
         loaded_mb=(found["cpu"] + found["disk"]) * MODEL.kv_bytes(1) / 1e6,
         prefetched_mb=(conn.store.prefetcher.stats.moved - moved0) * MODEL.kv_bytes(CHUNK) / 1e6,
+        block_prefetched_mb=(block_prefetched - bp0) * MODEL.kv_bytes(1) / 1e6,
     )
 
 
@@ -160,7 +165,9 @@ def run_vllm(mem: dict[str, int], n_wf: int, prompts: dict[str, list[int]], args
     recs = out["records"]
     for r in recs:
         r.update(cpu=0, disk=0, warm=r["engine"] >= len(prompts[r["agent"]]) // CHUNK * CHUNK)
-    return dict(**summarize(recs, out["time_s"]), loaded_mb=0.0, prefetched_mb=0.0)
+    return dict(
+        **summarize(recs, out["time_s"]), loaded_mb=0.0, prefetched_mb=0.0, block_prefetched_mb=0.0
+    )
 
 
 def memory(prompt_tokens: int, n_wf: int) -> dict[str, dict[str, int]]:
@@ -210,27 +217,14 @@ def main() -> None:
     bar.close()
     print_table(rows)
     name = "workflow" if args.slow == "disk" else "workflow_recompute"
-    write_results(name, config(args, plen), rows, goals(rows, args.concurrent), plotter(rows))
+    write_results(
+        name, config(args, plen, CHUNK, AGENTS), rows, goals(rows, args.concurrent), plotter(rows)
+    )
 
 
 def turn(text: str) -> list[int]:
     """A user message and the assistant's cue, as the chat template renders them."""
     return TOK.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", False)
-
-
-def config(args: Any, plen: int) -> dict[str, Any]:
-    return dict(
-        model="smollm2",
-        dtype="bf16",
-        agents=list(AGENTS),
-        prompt_tokens=plen,
-        chunk=CHUNK,
-        concurrent=args.concurrent,
-        max_tokens=args.max_tokens,
-        quick=args.quick,
-        tiers="engine blocks, cpu tier"
-        + (", disk tier (holds all)" if args.slow == "disk" else ""),
-    )
 
 
 MODEL: Any = None

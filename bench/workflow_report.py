@@ -84,3 +84,19 @@ def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.set_xticklabels([f"{m}, {n} wf" for m, n in labels])
     ax.set_ylabel("end-to-end time of the workflows (s)")
     ax.legend()
+
+
+def config(args: Any, plen: int, chunk: int, agents: tuple[str, ...]) -> dict[str, Any]:
+    """The run's settings, as the results file records them."""
+    return dict(
+        model="smollm2",
+        dtype="bf16",
+        agents=list(agents),
+        prompt_tokens=plen,
+        chunk=chunk,
+        concurrent=args.concurrent,
+        max_tokens=args.max_tokens,
+        quick=args.quick,
+        tiers="engine blocks, cpu tier"
+        + (", disk tier (holds all)" if args.slow == "disk" else ""),
+    )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from tierkv.connector.config import ConnectorConfig
@@ -24,7 +23,6 @@ from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import ConnectorStats, LoadPlan, RequestState, StepMeta
 from tierkv.connector.requests import (
     model_fingerprint,
-    prefix_chunks,
     record_lookup,
     request_state,
     segment_keys,
@@ -123,16 +121,21 @@ class TierKVConnector(KVConnector):
     def prefetch(
         self, token_ids: list[int], hint: KVHint | None = None, cache_salt: str | None = None
     ) -> None:
-        """A prompt that will run soon (the next workflow step's agent): its chunk keys are
-        tagged with hint, the server moves them up to its cpu tier and those it holds are
-        loaded into the local tiers, all in the background; returns at once, never fails."""
-        try:
-            tokens = np.asarray(token_ids, dtype=np.int32)
-            hasher = self.hasher.salted(cache_salt)
-            keys = [c.key for c in prefix_chunks(hasher, tokens, self.config.save_partial_chunks)]
-            self.workflows.prefetch(keys, hint)
-        except Exception as e:  # advice: never the engine's failure
-            log.warning("connector prefetch failed (%r): ignored", e)
+        """Its chunk keys tagged with hint, moved up to the server's cpu tier and the local
+        tiers in the background (Workflows.prefetch); returns at once, never fails."""
+        partial = self.config.save_partial_chunks
+        self.workflows.prefetch_prompt(
+            lambda: self.hasher.salted(cache_salt), token_ids, hint, partial
+        )
+
+    def get_num_prefetched_tokens(self, request: ConnectorRequest, num_computed: int) -> int:
+        """get_num_new_matched_tokens over the local tier alone (tiers[0], where a prefetch
+        lands; never the server): a plain prompt's tokens that a block prefetch can load."""
+        st = self._state(request)
+        if not st.chunks or blending(request) or (self.caches[0].dtype == FP8 and not self.steps):
+            return 0
+        where = self.workflows.local_tiers([c.key for c in st.chunks], self.config.lookup_timeout_s)
+        return record_lookup(st, where, num_computed, False)
 
     def lookup_segments(
         self,
@@ -153,13 +156,9 @@ class TierKVConnector(KVConnector):
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> int:
         st, blend = self._state(request), blending(request)
-        if (
-            not st.chunks
-            or not (st.prefix_chunks or blend)
-            or (self.caches[0].dtype == FP8 and not self.steps)
-        ):
-            # nothing that could load; an fp8 cache takes its scales from its first forward
-            return 0
+        fp8_cold = self.caches[0].dtype == FP8 and not self.steps  # scaled by its first forward
+        if not st.chunks or not (st.prefix_chunks or blend) or fp8_cold:
+            return 0  # nothing that could load
         self.stats.lookups += 1
         try:
             where = self.loop.run(

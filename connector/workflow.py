@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk
+from tierkv.connector.requests import prefix_chunks
 from tierkv.storage_backends.hints import KVHint
+from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
 
 log = logging.getLogger("tierkv.connector")
@@ -56,6 +60,35 @@ class Workflows:
         fastest tier, and load those it holds into the local tiers, all in the background."""
         if self._submit(list(keys), hint, True):
             self.stats.prefetches += 1
+
+    def prefetch_prompt(
+        self,
+        hasher: Callable[[], ChunkHasher],
+        token_ids: list[int],
+        hint: KVHint | None,
+        partial: bool,
+    ) -> None:
+        """prefetch the chunk keys of a prompt (keyed by hasher()); never raises."""
+        try:
+            tokens = np.asarray(token_ids, dtype=np.int32)
+            self.prefetch([c.key for c in prefix_chunks(hasher(), tokens, partial)], hint)
+        except Exception as e:  # advice: never the engine's failure
+            log.warning("connector prefetch failed (%r): ignored", e)
+
+    def local_tiers(self, keys: list[bytes], timeout: float) -> list[str | None]:
+        """The local tier's name (tiers[0], where a prefetch lands) for each key it holds, else
+        None; all None when tiers[0] is the server's or the lookup fails (a miss)."""
+        from tierkv.cacheserver.client import RemoteTier
+
+        local = self.store.tiers[0]
+        if isinstance(local, RemoteTier) or not keys:
+            return [None] * len(keys)
+        try:
+            held = self.loop.run(local.contains(keys, self.ns), timeout)
+        except Exception as e:
+            log.warning("connector local lookup failed (%r): miss", e)
+            return [None] * len(keys)
+        return [local.name if h else None for h in held]
 
     def _submit(self, keys: list[bytes], hint: KVHint | None, prefetch: bool) -> bool:
         if not keys:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import xxhash
 
 from tierkv.engine.invariants import invariant
-from tierkv.engine.radix import RadixTree
+from tierkv.engine.radix import Node, RadixTree
 from tierkv.engine.sequence import Sequence
 from tierkv.storage_backends.hints import KVHint
 
@@ -102,6 +102,27 @@ class BlockManager:
         seq.block_table = list(blocks)
         seq.num_indexed_blocks = len(blocks)
         return len(blocks) * self.block_size
+
+    def evict_beyond(self, num_blocks: int, steps: float) -> int:
+        """Under "hinted" eviction, free up to num_blocks blocks of the prefix cache whose next
+        use is farther than steps (farthest first); returns how many. Under LRU, none."""
+        if self.tree is None or self.tree.book is None:
+            return 0
+        out = self.tree.evict(num_blocks, beyond=steps)
+        for b in out:
+            self._release(b)
+        return len(out)
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of seq's prompt (all but its last) that whole nodes of the prefix cache hold;
+        changes nothing (match_prefix may find a few blocks more, inside a node)."""
+        if self.tree is None:
+            return 0
+        n: Node | None = self.tree.peek(tree_key(seq, len(seq) - 1))
+        total = 0
+        while n is not None:
+            total, n = total + len(n.key), n.parent
+        return total
 
     def allocate(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
         """Make seq's blocks cover num_tokens tokens. Returns the (src, dst) block copies to run

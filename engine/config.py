@@ -131,6 +131,11 @@ class EngineConfig:
     # When a hinted request starts a workflow step, prefetch through the connector the prompts
     # of the agents of the next step (their last ones seen); off: hints order eviction only.
     workflow_prefetch: bool = True
+    # With workflow_prefetch and the prefix cache: most KV blocks per step that a prefetched
+    # prompt, once in the connector's local tier, is loaded into (verified, through the step's
+    # own loads) and indexed in the prefix cache as if computed; only blocks free beyond what
+    # the queued and running sequences may need. 0: off (the prompt waits in the local tier).
+    block_prefetch: int = 32
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
     # Linear layers compute in: "auto" = fp32 for bf16/fp16 weights on a CPU without native
@@ -169,5 +174,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.eviction not in ("lru", "hinted"):
             raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
+        if self.block_prefetch < 0:
+            raise ValueError(f"block_prefetch must be >= 0, got {self.block_prefetch}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")

@@ -7,27 +7,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from tierkv.engine.blend import BlendParams, PromptPart, join_parts
+from tierkv.engine.blend import BlendParams
 from tierkv.engine.blend_step import BlendState
 from tierkv.engine.block_manager import BlockManager
+from tierkv.engine.block_prefetch import BlockPrefetch
 from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.intake import Prompt, blend_params, new_seq, prompt_tokens
 from tierkv.engine.kv_connector import KVConnector, NoOpConnector
 from tierkv.engine.loader import load_model
 from tierkv.engine.model_runner import ModelRunner
-from tierkv.engine.outputs import EngineStats, Request, RequestOutput, token_logprobs
-from tierkv.engine.sampler import sample
+from tierkv.engine.outputs import EngineStats, Request, RequestOutput
+from tierkv.engine.sampler import sample_step
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.scheduler import Scheduler
 from tierkv.engine.sequence import Sequence
 from tierkv.engine.workflow import StepPrefetch
 from tierkv.storage_backends.hints import KVHint
 
-# One prompt: text, token ids, or PromptParts (a CacheBlend prompt in parts).
-Prompt = str | list[int] | list[PromptPart]
+__all__ = ["Engine", "LogitsHook", "NoFit", "Prompt"]
 
 
 # Called with each step's logits [sampling sequences, vocab] before sampling; observes only.
@@ -67,6 +68,7 @@ class Engine:
         matmul_dtype: str = "auto",
         eviction: str = "lru",
         workflow_prefetch: bool = True,
+        block_prefetch: int = 32,
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -85,6 +87,7 @@ class Engine:
             matmul_dtype=matmul_dtype,
             eviction=eviction,
             workflow_prefetch=workflow_prefetch,
+            block_prefetch=block_prefetch,
         )
         # checks the global knobs now
         BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
@@ -113,6 +116,11 @@ class Engine:
             self.model_config.eos_token_id,
             self.max_model_len,
         )
+        # the next step's agents' prompts, from the connector's local tier into free blocks (a
+        # connector that knows its local tier: get_num_prefetched_tokens)
+        local = type(self.connector).get_num_prefetched_tokens
+        bp = self.config.block_prefetch if local is not KVConnector.get_num_prefetched_tokens else 0
+        self.block_prefetch = BlockPrefetch(self.scheduler, bp)
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.logits_hooks: list[LogitsHook] = []
         self.stats = EngineStats()
@@ -157,15 +165,7 @@ class Engine:
         rid = str(self._next_id) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is in use")
-        spans, prefix_len = None, 0
-        if isinstance(prompt, str):
-            prompt = self.encode(prompt)
-        elif prompt and all(isinstance(s, PromptPart) for s in prompt):
-            prompt, spans, prefix_len = join_parts(cast("list[PromptPart]", prompt), self.encode)
-        vocab = self.model_config.vocab_size
-        if not prompt or any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
-        tokens = cast("list[int]", prompt)  # every element checked just above
+        tokens, spans, prefix_len = prompt_tokens(prompt, self.encode, self.model_config.vocab_size)
         req = Request(rid, list(tokens), params)
         seq = self._new_seq(req, 0)
         seq.kv_hint = kv_hint
@@ -175,14 +175,12 @@ class Engine:
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
         if kv_hint is not None:  # a workflow step starts (engine/workflow.py)
-            self.steps.start(
-                kv_hint,
-                req.prompt_token_ids,
-                params.cache_salt,
-                self.blocks,
-                self.connector,
-                self.config.workflow_prefetch,
+            c = self.config
+            sent = self.steps.start(
+                kv_hint, tokens, params.cache_salt, self.blocks, self.connector, c.workflow_prefetch
             )
+            for ids, hint, salt in sent:
+                self.block_prefetch.want(ids, salt, hint)
         return req
 
     def step(self) -> list[Request]:
@@ -190,33 +188,20 @@ class Engine:
         request leaves the engine. Raises NoFit when the head of the queue can never fit."""
         if not self.has_unfinished():
             return []
+        self.block_prefetch.issue()  # loads in this step's forward, with the step's own
         out = self.scheduler.schedule()
         if not out.seqs:
+            self.block_prefetch.cancel()
             head = self.scheduler.waiting[0] if self.scheduler.waiting else None
             raise NoFit(head.group if head is not None else None)
         logits = self.runner.run(out)
         for hook in self.logits_hooks:
             hook(logits)
         samplers = [s for s, smp in zip(out.seqs, out.samples()) if smp]
-        rows, seqs, children = [], [], []
-        for i, seq in enumerate(samplers):
-            rows.append(i)
-            seqs.append(seq)
-            if seq.params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0:
-                for k in range(1, seq.params.n):  # the other samples share this prompt's KV
-                    child = self._new_seq(self.requests[seq.group], k)
-                    child.kv_hint = seq.kv_hint
-                    children.append((seq, child))
-                    rows.append(i)
-                    seqs.append(child)
-        tokens = dict(zip((s.seq_id for s in seqs), sample(logits[rows], seqs))) if seqs else {}
-        logprobs = {
-            s.seq_id: token_logprobs(logits[r], tokens[s.seq_id], s.params.logprobs)
-            for r, s in zip(rows, seqs)
-            if s.params.logprobs is not None
-        }
+        seqs, children, tokens, logprobs = sample_step(logits, samplers, self._fork)
         saved, _loaded = self.connector.get_finished()
         failed = self.connector.get_block_ids_with_load_errors()
+        self.block_prefetch.land(failed)  # before postprocess: its idle check sees every block
         now = time.perf_counter()
         done = self.scheduler.postprocess(out, tokens, failed, children)
         for s in seqs:
@@ -228,14 +213,7 @@ class Engine:
             s.metrics.finish_time = now
             s.metrics.connector = self.connector.request_metrics(s.request_id)
         self.scheduler.release_saved(saved)
-        used, empty = self.scheduler.kv_slots()
-        st = self.stats
-        st.steps, st.tokens, st.kv_slots, st.kv_slots_empty = (
-            st.steps + 1,
-            st.tokens + out.num_tokens,
-            st.kv_slots + used,
-            st.kv_slots_empty + empty,
-        )
+        self.stats.add(out.num_tokens, *self.scheduler.kv_slots())
         updated = {s.group: self.requests[s.group] for s in seqs}
         for req in updated.values():
             if req.finished:
@@ -265,31 +243,15 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def _fork(self, seq: Sequence, index: int) -> Sequence:
+        """Sample `index` of seq's request (n > 1), hinted as seq is."""
+        child = self._new_seq(self.requests[seq.group], index)
+        child.kv_hint = seq.kv_hint
+        return child
+
     def _new_seq(self, req: Request, index: int) -> Sequence:
-        params = req.params
-        seed = (
-            params.seed + index
-            if params.seed is not None
-            else int(torch.randint(1 << 62, (1,), generator=self._rng))
-        )
-        seq = Sequence(
-            self._next_id,
-            req.request_id if index == 0 else f"{req.request_id}/{index}",
-            req.request_id,
-            list(req.prompt_token_ids),
-            len(req.prompt_token_ids),
-            params,
-            torch.Generator().manual_seed(seed),
-            sample_index=index,
-        )
         self._next_id += 1
-        req.seqs.append(seq)
-        return seq
+        return new_seq(req, index, self._next_id - 1, self._rng)
 
     def _blend_params(self, params: SamplingParams) -> BlendParams:
-        c = self.config
-        ratio = c.blend_ratio if params.blend_ratio is None else params.blend_ratio
-        layer = (
-            c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
-        )
-        return BlendParams(ratio, layer, c.blend_metric, c.blend_gradual)
+        return blend_params(self.config, params)

@@ -174,6 +174,15 @@ class KVConnector(ABC):
         or compute normally. An optional hook: the default does nothing."""
         return None
 
+    def get_num_prefetched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """get_num_new_matched_tokens counting only KV in the connector's own process (its local
+        tier, where a prefetch lands): what the engine's block prefetch (engine/block_prefetch.py)
+        may load within a step without waiting on a slower tier. update_state_after_alloc then
+        follows as for a request, and request_finished ends it. Safety: cheap, no remote call;
+        the engine asks only for plain prompts, between steps. An optional hook: the default
+        (0) turns block prefetch off."""
+        return 0
+
     def request_metrics(self, request_id: str) -> dict[str, Any]:
         """Per-request numbers copied into the output metrics, e.g.
         {"loaded_tokens": {"cpu": 256}}."""

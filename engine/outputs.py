@@ -20,6 +20,13 @@ class EngineStats:
     kv_slots: int = 0  # allocated KV slots, summed over steps
     kv_slots_empty: int = 0  # of those, slots holding no token
 
+    def add(self, tokens: int, kv_slots: int, kv_slots_empty: int) -> None:
+        """One step: its computed tokens and its KV slots (allocated, holding no token)."""
+        self.steps += 1
+        self.tokens += tokens
+        self.kv_slots += kv_slots
+        self.kv_slots_empty += kv_slots_empty
+
     @property
     def kv_unused_share(self) -> float:
         return self.kv_slots_empty / self.kv_slots if self.kv_slots else 0.0

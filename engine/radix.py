@@ -14,17 +14,15 @@ breaking ties. Without hints both pick the same victims.
 
 from __future__ import annotations
 
-import heapq
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tierkv.engine.invariants import invariant
+from tierkv.engine.radix_evict import NS, evict, evictable_blocks
 from tierkv.storage_backends.hint_book import HintBook
 from tierkv.storage_backends.hints import KVHint
 
 EVICTIONS = ("lru", "hinted")
-NS = ""  # the engine's prefix cache is one namespace (cache_salt already splits its keys)
 
 
 @dataclass(slots=True, eq=False)
@@ -184,49 +182,14 @@ class RadixTree:
 
     def evictable_blocks(self) -> int:
         """Blocks in unlocked nodes (all of them can be evicted, leaves first)."""
-        total, stack = 0, [self.root]
-        while stack:
-            n = stack.pop()
-            if n.lock_ref == 0:
-                total += len(n.blocks)
-            stack.extend(n.children.values())
-        return total
+        return evictable_blocks(self)
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, beyond: float | None = None) -> list[int]:
         """Drop up to num_blocks blocks from unlocked leaves, farthest next use first (hinted),
-        then least recently used, tail blocks first. Returns the dropped block ids (the caller
-        releases the tree's refs)."""
-        now = time.monotonic()
-        heap: list[tuple[float, int, int, Node]] = []
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
-            if n.children:
-                stack.extend(n.children.values())
-            elif n is not self.root and n.lock_ref == 0:
-                heap.append((-self.rank(n, now), n.last_access, id(n), n))
-        heapq.heapify(heap)
-        out: list[int] = []
-        while heap and len(out) < num_blocks:
-            n = heapq.heappop(heap)[3]
-            take = min(num_blocks - len(out), len(n.blocks))
-            if self.on_change is not None:
-                self.on_change("removed", self._path(n), take)
-            out += n.blocks[len(n.blocks) - take :][::-1]
-            del n.blocks[len(n.blocks) - take :]
-            n.key = n.key[: len(n.blocks) * self.block_size]
-            if not n.blocks:
-                parent = n.parent
-                assert parent is not None
-                del parent.children[next(k for k, c in parent.children.items() if c is n)]
-                if self.book is not None:
-                    self.book.forget(NS, n)
-                if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                    key = (-self.rank(parent, now), parent.last_access, id(parent), parent)
-                    heapq.heappush(heap, key)
-        self.num_blocks -= len(out)
-        self.stats.evicted_blocks += len(out)
-        return out
+        then least recently used, tail blocks first; with `beyond`, only leaves whose next use
+        is farther than that many steps. Returns the dropped block ids (the caller releases the
+        tree's refs)."""
+        return evict(self, num_blocks, beyond)
 
     def _path(self, node: Node) -> tuple[int, ...]:
         """The tokens from the root to the end of node."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from tierkv.engine.outputs import token_logprobs
 from tierkv.engine.sequence import Sequence
 
 
@@ -30,3 +33,29 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         row = filter_logits(logits[i] / p.temperature, p.top_k, p.top_p)
         out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=seq.generator))
     return out
+
+
+def sample_step(
+    logits: torch.Tensor, samplers: list[Sequence], fork: Callable[[Sequence, int], Sequence]
+) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]], dict[int, int], dict[int, tuple]]:
+    """A step's sampling: logits row i is samplers[i]'s; the first token of a request of n > 1
+    samples also draws its other samples (fork(seq, k) makes sample k) from that row. Returns
+    (every sequence that sampled, the (parent, child) forks, token by seq_id, (logprob, top)
+    by seq_id for the sequences that ask for logprobs)."""
+    rows, seqs, children = [], [], []
+    for i, seq in enumerate(samplers):
+        rows.append(i)
+        seqs.append(seq)
+        if seq.params.n > 1 and seq.sample_index == 0 and seq.num_output_tokens == 0:
+            for k in range(1, seq.params.n):  # the other samples share this prompt's KV
+                child = fork(seq, k)
+                children.append((seq, child))
+                rows.append(i)
+                seqs.append(child)
+    tokens = dict(zip((s.seq_id for s in seqs), sample(logits[rows], seqs))) if seqs else {}
+    logprobs = {
+        s.seq_id: token_logprobs(logits[r], tokens[s.seq_id], s.params.logprobs)
+        for r, s in zip(rows, seqs)
+        if s.params.logprobs is not None
+    }
+    return seqs, children, tokens, logprobs

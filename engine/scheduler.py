@@ -11,32 +11,16 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from tierkv.engine.blend_step import admit, blending, unblend
-from tierkv.engine.block_manager import BlockManager, tree_key
+from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.invariants import check_invariants_enabled, invariant
 from tierkv.engine.kv_connector import KVConnector
+from tierkv.engine.schedule_output import SchedulerOutput, computed_this_step
 from tierkv.engine.sequence import Sequence, Status
 
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)  # query tokens per sequence this step
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
-    preempted: list[Sequence] = field(default_factory=list)
-    connector_meta: object = None
-    blend: Sequence | None = None  # a blend prefill: this step's only sequence
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def samples(self) -> list[bool]:
-        """Whether each sequence reaches its last token this step (and so samples one)."""
-        return [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_new_tokens)]
+__all__ = ["Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -117,7 +101,7 @@ class Scheduler:
             seq = self.waiting[0]
             if blending(seq):
                 break  # admitted alone, above
-            if self._computed_this_step(seq, out):
+            if computed_this_step(self.blocks, seq, out):
                 break  # next step it hits that block in the prefix cache
             hit = self.blocks.match_prefix(seq)
             seq.num_computed_tokens = hit
@@ -149,24 +133,6 @@ class Scheduler:
             seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = hit, ext
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-
-    def _computed_this_step(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """True when a sequence already in this step completes a block of its prefix that seq
-        would match (requests sharing a system prompt arriving together): seq then waits one
-        step and hits that block in the prefix cache instead of computing it a second time."""
-        if self.blocks.tree is None or not seq.exact_kv:
-            return False
-        bs, key = self.blocks.block_size, None
-        for other, n in zip(out.seqs, out.num_new_tokens):
-            end = (other.num_computed_tokens // bs + 1) * bs  # the first block it completes now
-            if end > other.num_computed_tokens + n or end > len(seq) - 1 or not other.exact_kv:
-                continue
-            if other.token_ids[end - bs : end] != seq.token_ids[end - bs : end]:
-                continue  # a cheap look at the block itself first
-            key = tree_key(seq, len(seq) - 1) if key is None else key
-            if tree_key(other, end) == key[:end]:
-                return True
-        return False
 
     def postprocess(
         self,

@@ -60,11 +60,12 @@ class StepPrefetch:
         blocks: BlockManager,
         connector: KVConnector,
         prefetch: bool,
-    ) -> None:
+    ) -> list[tuple[list[int], KVHint, str | None]]:
         """A hinted request starts a step: its table ranks the prefix cache, the cached prompts
         of the agents it names are tagged (an agent's nodes rank by this workflow's table even
         before it runs in it: agents serve many workflows), and the next step's agents'
-        prompts are prefetched (the connector's prefetch returns at once)."""
+        prompts are prefetched (the connector's prefetch returns at once). Returns what was
+        prefetched: (prompt, its agent's hint, cache_salt)."""
         if blocks.tree is not None:
             blocks.tree.advise(hint)
             soonest = sorted(hint.steps().items(), key=lambda kv: kv[1])[:MAX_TAGGED]
@@ -72,9 +73,12 @@ class StepPrefetch:
                 known = self.latest(hint.workflow, agent, cache_salt)
                 if agent != hint.agent and known is not None:
                     blocks.tag_prompt(known[0], known[1], replace(hint, agent=agent))
+        sent = []
         for agent, (tokens, salt) in self.step_started(hint, prompt, cache_salt):
             if prefetch:
-                connector.prefetch(tokens, replace(hint, agent=agent), salt)
+                sent.append((tokens, replace(hint, agent=agent), salt))
+                connector.prefetch(*sent[-1])
+        return sent
 
     def latest(self, workflow: str, agent: str, cache_salt: str | None) -> Prompt | None:
         """The agent's last prompt in the workflow, else in any workflow under cache_salt."""
