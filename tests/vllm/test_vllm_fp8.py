@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.vllm.conftest import prompt
+from tests.vllm.conftest import needs_fp8_kv, prompt
 from tests.vllm.harness import Engine
 from tierkv.cacheserver.launch import ServerProcess
 from tierkv.storage_backends.segment import KVSegment
+
+pytestmark = needs_fp8_kv
 
 P1, P2, P3 = prompt(300, 11), prompt(200, 12), prompt(150, 13)
 CHUNK = 64

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from tests.vllm.conftest import prompt
+from tests.vllm.conftest import needs_fp8_kv, prompt
 from tests.vllm.harness import Engine, kv_scaled_llama
 from tierkv.cacheserver.launch import ServerProcess
 from tierkv.storage_backends.segment import KVSegment
+
+pytestmark = needs_fp8_kv
 
 SCALES = [(0.05, 0.02), (0.1, 0.04)]  # per layer: K, V
 P = prompt(200, 21)
