@@ -18,6 +18,7 @@ import functools
 import socket
 import ssl
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
@@ -58,6 +59,22 @@ class Conn:
         a broken pipe) instead of waiting on an fd that `close` would take from the loop."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+    async def on_thread(self, pool: Executor, fn: Callable[..., None], *args: object) -> None:
+        """fn(*args) on a thread of pool, a blocking send or receive on this socket. Cancelled,
+        it shuts the socket down (the thread's next call fails at once) and returns only once
+        the thread no longer touches the caller's buffers."""
+        fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.shutdown()
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    continue
+            raise
 
     async def _flush(self) -> None:
         if not self.outgoing.pending:  # a reader's step rarely has anything to send

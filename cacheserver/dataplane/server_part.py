@@ -16,7 +16,6 @@ promptly). A send that makes no progress for SEND_STALL_S fails the session.
 
 from __future__ import annotations
 
-import asyncio
 import select
 import socket
 from collections.abc import Sequence
@@ -105,17 +104,7 @@ async def send_off_loop(conn: Conn, views: list[memoryview], senders: Executor |
     if conn.tls is not None or senders is None:
         await conn.send_views(views)
         return
-    fut = asyncio.get_running_loop().run_in_executor(senders, send_blocking, conn.sock, views)
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        conn.shutdown()  # the thread's next sendmsg fails at once
-        while not fut.done():
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                continue
-        raise
+    await conn.on_thread(senders, send_blocking, conn.sock, views)
 
 
 def send_blocking(sock: socket.socket, views: list[memoryview]) -> None:

@@ -16,7 +16,6 @@ the layers that failed, and the caller hands out nothing of a payload with such 
 
 from __future__ import annotations
 
-import asyncio
 import select
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -47,18 +46,7 @@ class StripeConn(Conn):
     async def recv_into(self, view: memoryview) -> None:
         if self.tls is not None or self.pool is None or len(view) < THREAD_MIN:
             return await Conn.recv_into(self, view)
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.pool, recv_blocking, self.sock, view)
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            self.shutdown()  # the thread's receive ends (EOF): it writes nothing more
-            while not fut.done():
-                try:
-                    await asyncio.wait([fut])
-                except asyncio.CancelledError:
-                    continue
-            raise
+        await self.on_thread(self.pool, recv_blocking, self.sock, view)
 
 
 def recv_blocking(sock: socket.socket, view: memoryview) -> None:
