@@ -63,10 +63,29 @@ class _TierCollector:
             yield family
 
 
+@dataclass(slots=True, eq=False)
+class _HintCollector:
+    """The hint book's totals over every namespace (a namespace's own are in its Stats)."""
+
+    counts: dict[str, int] = field(default_factory=dict)  # tagged, pinned, pending -> items
+    events: dict[str, int] = field(default_factory=dict)  # BookStats: dropped, expired, applied
+
+    def collect(self) -> Iterator[Metric]:
+        for name, v in sorted(self.counts.items()):
+            g = GaugeMetricFamily(f"tierkv_hint_{name}", f"hint book: {name} keys, all namespaces")
+            g.add_metric([], float(v))
+            yield g
+        for name, v in sorted(self.events.items()):
+            c = CounterMetricFamily(f"tierkv_hint_{name}", f"hint book: keys {name}")
+            c.add_metric([], float(v))
+            yield c
+
+
 @dataclass(slots=True)
 class Metrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     tiers: _TierCollector = field(default_factory=_TierCollector)
+    hints: _HintCollector = field(default_factory=_HintCollector)
     rpc_seconds: Histogram = field(init=False)
     rpc_total: Counter = field(init=False)
     wire_bytes: Counter = field(init=False)
@@ -93,9 +112,13 @@ class Metrics:
         )
         self.watchers = Gauge("tierkv_watchers", "open Watch streams", registry=r)
         r.register(self.tiers)
+        r.register(self.hints)
 
     def update_tiers(self, stats: dict[str, Any]) -> None:
         self.tiers.snapshot = {name: stats_dict(s) for name, s in stats.items()}
+
+    def update_hints(self, counts: dict[str, int], events: dict[str, int]) -> None:
+        self.hints.counts, self.hints.events = dict(counts), dict(events)
 
     def serve(self, port: int, host: str) -> None:
         """Start the HTTP exporter in a daemon thread."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.workflow import book_of
 
 
 @dataclass(slots=True)
@@ -22,7 +23,8 @@ class NsCounters:
 
 
 async def stats_response(store: TieredStore, ns: str, c: NsCounters) -> pb.StatsResponse:
-    """ns's Stats: each tier's count and usage, and ns's own hits and misses per tier."""
+    """ns's Stats: each tier's count and usage, ns's own hits and misses per tier, and ns's
+    entries in the hint book (never another namespace's)."""
     tiers = []
     names = [t.name for t in store.tiers]
     for i, t in enumerate(store.tiers):
@@ -42,8 +44,11 @@ async def stats_response(store: TieredStore, ns: str, c: NsCounters) -> pb.Stats
                 errors=s.errors,
             )
         )
+    book = book_of(store.tiers)
+    hints = pb.HintStats(**book.counts(ns)) if book is not None else pb.HintStats()
     return pb.StatsResponse(
         namespace=ns,
+        hints=hints,
         tiers=tiers,
         lookups=c.lookups,
         puts=c.puts,

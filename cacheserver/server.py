@@ -16,11 +16,12 @@ from tierkv.cacheserver import wire
 from tierkv.cacheserver.config import ServerConfig
 from tierkv.cacheserver.dataplane.server import DataPlane
 from tierkv.cacheserver.frames import parser
-from tierkv.cacheserver.metrics import Metrics
+from tierkv.cacheserver.metrics import Metrics, stats_dict
 from tierkv.cacheserver.servicer import Servicer
 from tierkv.cacheserver.watch import WatchHub
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.storage_backends.store import TieredStore
+from tierkv.storage_backends.workflow import book_of
 
 log = logging.getLogger("tierkv.server")
 # HTTP/2 frames as large as the spec allows: a 1 MiB message then crosses in one frame, not 64.
@@ -137,6 +138,8 @@ class Server:
 
     def refresh_metrics(self) -> None:
         self.metrics.update_tiers({t.name: t.stats() for t in self.store.tiers})
+        if (book := book_of(self.store.tiers)) is not None:
+            self.metrics.update_hints(book.counts(), stats_dict(book.stats))
 
     async def stop(self) -> None:
         self.health.enter_graceful_shutdown()

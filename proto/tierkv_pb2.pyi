@@ -122,7 +122,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("namespace", "tiers", "lookups", "puts", "gets", "bytes_in", "bytes_out")
+    __slots__ = ("namespace", "tiers", "lookups", "puts", "gets", "bytes_in", "bytes_out", "hints")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class StatsResponse(_message.Message):
     GETS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     lookups: int
@@ -137,7 +138,18 @@ class StatsResponse(_message.Message):
     gets: int
     bytes_in: int
     bytes_out: int
-    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+    hints: HintStats
+    def __init__(self, namespace: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., hints: _Optional[_Union[HintStats, _Mapping]] = ...) -> None: ...
+
+class HintStats(_message.Message):
+    __slots__ = ("tagged", "pinned", "pending")
+    TAGGED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    tagged: int
+    pinned: int
+    pending: int
+    def __init__(self, tagged: _Optional[int] = ..., pinned: _Optional[int] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class DataPlaneRequest(_message.Message):
     __slots__ = ()

@@ -182,6 +182,12 @@ class HintBook(Generic[K]):
             best = min(best, table.steps.get(agent, NEVER))
         return best
 
+    def counts(self, ns: str | None = None) -> dict[str, int]:
+        """Tagged, pinned and pending items of ns (of every namespace when None)."""
+        parts: dict[str, NsItems] = {"tagged": self.tags, "pinned": self.pins}
+        parts["pending"] = self.pending
+        return {k: v.size if ns is None else v.count(ns) for k, v in parts.items()}
+
     def items(self) -> Iterator[tuple[str, K]]:
         """Every (ns, item) tagged or pinned."""
         for ns, item, _ in self.tags.items():

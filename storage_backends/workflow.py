@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tierkv.storage_backends.hint_book import HintBook
 from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.names import check_key, check_namespace
@@ -44,6 +45,11 @@ def share_book(tiers: Sequence[Tier]) -> None:
     for t in indexed:
         t.hints = book
     book.held = lambda ns, key: any((ns, key) in t.index for t in indexed)
+
+
+def book_of(tiers: Sequence[Tier]) -> HintBook[bytes] | None:
+    """The HintBook the indexed tiers share (share_book); None without an indexed tier."""
+    return next((t.hints for t in tiers if isinstance(t, IndexedTier)), None)
 
 
 def hint_tiers(

@@ -100,6 +100,15 @@ async def test_hint_tags_pins_and_stays_in_its_namespace(server) -> None:
         assert ("b", key(50)) in cpu.hints.pending and ("a", key(50)) not in cpu.hints.tags
         assert cpu.hints.rank("a", key(0)) == 1
         server.store.check_integrity()
+        # Stats tells each namespace its own hint entries only; the exporter their totals
+        sa, sb = await a.server_stats(), await b.server_stats()
+        assert sa is not None and sb is not None
+        assert (sa.hints.tagged, sa.hints.pinned, sa.hints.pending) == (3, 1, 1)
+        assert (sb.hints.tagged, sb.hints.pinned, sb.hints.pending) == (1, 0, 1)
+        server.refresh_metrics()
+        got = {m.name: m.samples[0].value for m in server.metrics.hints.collect()}
+        assert got["tierkv_hint_tagged"] == 4 and got["tierkv_hint_pending"] == 2
+        assert got["tierkv_hint_pinned"] == 1 and got["tierkv_hint_dropped"] == 0
     finally:
         await a.close()
         await b.close()

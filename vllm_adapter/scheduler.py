@@ -24,9 +24,11 @@ from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState
 from tierkv.connector.requests import prefix_chunks, record_lookup
+from tierkv.connector.workflow import Workflows
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
 from tierkv.vllm.groups import NULL, Groups
+from tierkv.vllm.hints import advise
 from tierkv.vllm.pd import Claim, Roles, Waiting, hands_off, read_claim, takes_over
 from tierkv.vllm.ranks import PartNames, chunk_tiers, part_keys
 
@@ -91,6 +93,7 @@ class SchedulerSide:
         self.hits: dict[str, int] = {}  # tokens vLLM admitted as external hits, by tier
         self.tracked: dict[str, Tracked] = {}
         self.pending_loads: list[LoadPlan] = []
+        self.workflows = Workflows(loop, store, self.ns)  # kv_hints: tierkv.vllm.hints
 
     def _track(self, request: Any) -> Tracked:
         tr = self.tracked.get(request.request_id)
@@ -110,6 +113,7 @@ class SchedulerSide:
                 else:
                     tr.waiting = Waiting(claim.chunks, time.monotonic() + roles.wait_s)
             self.tracked[request.request_id] = tr
+            advise(self.workflows, request, part_keys(chunks, self.heads))
         return tr
 
     def matched(self, request: Any, num_computed_tokens: int) -> int | None:

@@ -3,6 +3,8 @@ A or B). Each command is answered by one stdout line starting with REPLY.
 
   {"op": "generate", "prompts": [[ids...]], "max_tokens": N, "cold": false}
       -> {"tokens": [[ids...]]}  (greedy; cold: vLLM reads no cached KV, local or tierkv)
+      with "kv_hints": [{action fields}...]: each request carries vLLM's KvHintsEnvelope of
+      those actions (LLMEngine.add_request; LLM.generate takes none)
   {"op": "reset"}  -> vLLM's prefix cache emptied
   {"op": "counters"} -> vLLM's own counters ({"vllm:num_preemptions": ...})
   {"op": "quit"}   -> the engine shuts down (its saves drained), then the process exits
@@ -12,11 +14,30 @@ argv: model dir, dtype, kv_connector_extra_config as JSON, then optional engine 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 
 REPLY = "REPLY "
+SEQ = itertools.count()
+
+
+def hinted(llm, prompts: list[list[int]], params, actions: list[dict]) -> list[list[int]]:
+    """Greedy tokens of prompts added one by one, each with a kv_hints envelope of actions."""
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    env = KvHintsEnvelope("1", "tests", [KvHintAction(**a) for a in actions])
+    engine, ids = llm.llm_engine, [f"hinted-{os.getpid()}-{next(SEQ)}" for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params, kv_hints=env)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[rid] for rid in ids]
 
 
 def main() -> None:
@@ -73,10 +94,13 @@ def main() -> None:
             skip_reading_prefix_cache=bool(cmd.get("cold")),
             detokenize=False,
         )
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]], params, use_tqdm=False
-        )
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        if cmd.get("kv_hints") is not None:
+            tokens = hinted(llm, cmd["prompts"], params, cmd["kv_hints"])
+        else:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]], params, use_tqdm=False
+            )
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
         print(REPLY + json.dumps({"tokens": tokens}), flush=True)
     del llm
     print(REPLY + json.dumps({"closed": True}), flush=True)

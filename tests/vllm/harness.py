@@ -197,10 +197,15 @@ class Engine:
         self.proc.stdin.flush()
         return self._read(timeout)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8, cold: bool = False):
-        return self.send(
-            {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "cold": cold}
-        )["tokens"]
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        cold: bool = False,
+        kv_hints: list[dict[str, Any]] | None = None,
+    ):
+        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "cold": cold}
+        return self.send({**cmd, "kv_hints": kv_hints})["tokens"]
 
     def reset(self) -> None:
         assert self.send({"op": "reset"})["ok"], "vLLM's prefix cache could not be reset"
