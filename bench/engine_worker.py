@@ -7,6 +7,7 @@ stderr. Times are taken here, around the engine call, so the pipe is not in them
 
 Jobs: {"op": "generate", "prompts": [[ids]], "max_tokens": [n]} -> {"seconds", "outputs",
 "decode_s"} (decode_s: each request's first to last token, from the engine's own timestamps);
+{"op": "mixed", "arrivals": [...], "engine": {knobs}} -> bench.mixed_worker.run_arrivals' times;
 {"op": "info"} -> the engine's batch limits.
 Every case sends new random token ids, so a prefix cache hits only where a case means it to.
 Only the standard library is imported here: the two venvs share nothing else.
@@ -31,8 +32,9 @@ class TierKV:
     def __init__(self, model: str) -> None:
         from tierkv.engine import LLM, SamplingParams
 
-        self.params = SamplingParams
+        self.params, self.model = SamplingParams, model
         self.llm = LLM(model, dtype="bf16", kv_cache_bytes=KV_CACHE_GIB << 30)
+        self.rag: dict[str, Any] = {}  # engine knobs (JSON) -> an engine with a connector
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
         ps = [self.params(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
@@ -44,6 +46,27 @@ class TierKV:
             "outputs": [r.token_ids for r in res],
             "decode_s": [r.metrics.decode_time for r in res],
         }
+
+    def mixed(self, job: dict[str, Any]) -> dict[str, Any]:
+        """bench.engine_mixed's run, on an engine with a connector (blend arrivals reuse their
+        documents) and job["engine"]'s knobs; one such engine per set of knobs."""
+        from bench.mixed_worker import tierkv_mixed
+        from tierkv.connector import ConnectorConfig, TierKVConnector
+        from tierkv.engine import LLM
+        from tierkv.storage_backends.build import TiersConfig
+
+        knobs = job.get("engine", {})
+        key = json.dumps(knobs, sort_keys=True)
+        if key not in self.rag:
+            conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB")))
+            self.rag[key] = LLM(
+                self.model,
+                dtype="bf16",
+                kv_cache_bytes=KV_CACHE_GIB << 30,
+                kv_connector=conn,
+                **knobs,
+            )
+        return tierkv_mixed(self.rag[key], job)
 
     def info(self) -> dict[str, Any]:
         c = self.llm.config
@@ -88,6 +111,11 @@ class Vllm:
             "outputs": [list(r.outputs[0].token_ids) for r in res],
             "decode_s": decode,
         }
+
+    def mixed(self, job: dict[str, Any]) -> dict[str, Any]:
+        from bench.mixed_worker import vllm_mixed
+
+        return vllm_mixed(self.llm, job)
 
     def info(self) -> dict[str, Any]:
         cfg = self.llm.llm_engine.vllm_config
@@ -169,6 +197,8 @@ def main() -> None:
         job = json.loads(line)
         if job["op"] == "generate":
             out: dict[str, Any] = engine.generate(job["prompts"], job["max_tokens"])
+        elif job["op"] == "mixed":
+            out = engine.mixed(job)
         else:
             out = engine.info()
         answers.write(json.dumps(out) + "\n")

@@ -123,6 +123,13 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256  # most sequences in one step
+    # How a prompt longer than max_num_batched_tokens is prefilled: "chunked" (token chunks of
+    # the step's budget, beside the decodes) or "layered" (its whole prompt through a group of
+    # layers per step, beside the decodes, which run every layer every step; engine/layered.py)
+    prefill_mode: str = "chunked"
+    # Layered prefill: the layer groups a prompt goes in (its steps); 0 = as many layers a step
+    # as keep the step's work within a full chunk's (max_num_batched_tokens through every layer)
+    layer_groups: int = 0
     enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
     # The prefix cache's eviction: "lru" (least recently used leaf first) or "hinted" (the leaf
     # whose next use, by the requests' workflow hints, is farthest first; LRU among equals and
@@ -172,6 +179,12 @@ class EngineConfig:
             )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.prefill_mode not in ("chunked", "layered"):
+            raise ValueError(
+                f"prefill_mode must be 'chunked' or 'layered', got {self.prefill_mode!r}"
+            )
+        if self.layer_groups < 0:
+            raise ValueError(f"layer_groups must be >= 0, got {self.layer_groups}")
         if self.eviction not in ("lru", "hinted"):
             raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
         if self.block_prefetch < 0:

@@ -69,6 +69,8 @@ class Engine:
         eviction: str = "lru",
         workflow_prefetch: bool = True,
         block_prefetch: int = 32,
+        prefill_mode: str = "chunked",
+        layer_groups: int = 0,
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -88,6 +90,8 @@ class Engine:
             eviction=eviction,
             workflow_prefetch=workflow_prefetch,
             block_prefetch=block_prefetch,
+            prefill_mode=prefill_mode,
+            layer_groups=layer_groups,
         )
         # checks the global knobs now
         BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
@@ -115,6 +119,7 @@ class Engine:
             self.connector,
             self.model_config.eos_token_id,
             self.max_model_len,
+            self.model_config.num_hidden_layers,
         )
         # the next step's agents' prompts, from the connector's local tier into free blocks (a
         # connector that knows its local tier: get_num_prefetched_tokens)
@@ -190,7 +195,7 @@ class Engine:
             return []
         self.block_prefetch.issue()  # loads in this step's forward, with the step's own
         out = self.scheduler.schedule()
-        if not out.seqs:
+        if not out.seqs and out.layered is None:
             self.block_prefetch.cancel()
             head = self.scheduler.waiting[0] if self.scheduler.waiting else None
             raise NoFit(head.group if head is not None else None)

@@ -15,6 +15,7 @@ from tierkv.engine.blend_step import blend_prefill
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.context import Context, build_context
 from tierkv.engine.kv_connector import KVConnector
+from tierkv.engine.layered import layered_forward
 from tierkv.engine.model import LlamaForCausalLM
 from tierkv.engine.scheduler import SchedulerOutput
 from tierkv.kernels import FP8, LayerCache, cpu, fp8_scales, paged_attention, write_kv
@@ -84,6 +85,7 @@ class ModelRunner:
         self.one_decode_group = cpu.decode_usable(q, self.layer_caches[0])
         self.scale = cfg.head_dim**-0.5
         self.ctx: Context | None = None
+        self.saving = True  # store() hands each layer to the connector (off: layered prefill)
         # kv_scales is filled in place on the first forward, so the connector sees the final scales.
         connector.bind_model(model, cfg, dtype, self.kv_scales if self.kv_dtype == FP8 else None)
         connector.register_kv_caches(self.kv_caches)
@@ -110,7 +112,8 @@ class ModelRunner:
             self.kv_scales[layer, 1] = fp8_scales(v[:n]) * FP8_HEADROOM
         self.connector.wait_for_layer_load(layer)
         write_kv(k, v, self.layer_caches[layer], ctx.slot_mapping)
-        self.connector.save_kv_layer(layer, self.kv_caches[layer], ctx)
+        if self.saving:
+            self.connector.save_kv_layer(layer, self.kv_caches[layer], ctx)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx, cache = self.ctx, self.layer_caches[layer]
@@ -158,6 +161,12 @@ class ModelRunner:
         for src, dst in out.copies:  # copy-on-write before anything writes into dst
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
+        if out.layered is not None:  # the sampling rows only (engine/layered.py)
+            self.connector.start_load_kv(out.connector_meta)
+            h = layered_forward(self, out)
+            self.calibrated = True
+            self.connector.wait_for_save()
+            return h
         ctx = self.prepare(out)
         self.connector.start_load_kv(out.connector_meta)
         if out.blend is not None:
@@ -172,5 +181,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward the step; fp32 logits [S, vocab] of the sequences that sample, in order."""
         h = self.forward(out)
+        if out.layered is not None:
+            return self.model.logits(h)
         assert self.ctx is not None  # set by forward()
         return self.model.logits(h[self.ctx.logits_indices])[: self.ctx.num_sampled]

@@ -17,6 +17,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     connector_meta: object = None
     blend: Sequence | None = None  # a blend prefill: this step's only sequence
+    # A layered prefill's step (engine/layered.py): its sequence and the layers [lo, hi) it
+    # runs; the sequence is in seqs (last) only in its final step, where it samples.
+    layered: tuple[Sequence, int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

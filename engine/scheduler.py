@@ -17,6 +17,7 @@ from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.invariants import check_invariants_enabled, invariant
 from tierkv.engine.kv_connector import KVConnector
+from tierkv.engine.layering import admit_layered, advance, drop, settle, wants_layers
 from tierkv.engine.schedule_output import SchedulerOutput, computed_this_step
 from tierkv.engine.sequence import Sequence, Status
 
@@ -31,6 +32,7 @@ class Scheduler:
         connector: KVConnector,
         eos_token_ids: list[int],
         max_model_len: int,
+        num_layers: int = 1,
     ) -> None:
         self.config = config
         self.blocks = blocks
@@ -40,6 +42,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by seq_id (arrival)
         self.held: dict[str, Sequence] = {}  # finished, blocks kept by the connector
+        self.layering: Sequence | None = None  # its layered prefill in flight (engine/layering.py)
+        self.num_layers = num_layers
         self.check_invariants = check_invariants_enabled()  # check_integrity when idle
 
     def add(self, seq: Sequence) -> None:
@@ -52,7 +56,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.layering)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.blocks.free_seq(seq)
@@ -79,6 +83,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
             copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            if copies is None and drop(self, out) is not None:  # the layered prefill goes first
+                copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
             while copies is None:
                 victim = self.running.pop()  # the newest; never one already scheduled this step
                 self._preempt(victim, out)
@@ -109,6 +115,9 @@ class Scheduler:
             ext = max(
                 0, min(int(ext), len(seq) - 1 - hit)
             )  # the last prompt token is always computed
+            if wants_layers(self, seq, len(seq) - hit - ext):
+                admit_layered(self, seq, hit, ext, out)
+                break  # FCFS: the prompts behind it wait for the next step
             n = min(len(seq) - hit - ext, budget)
             copies = self.blocks.allocate(seq, hit + ext + n)
             if copies is None:
@@ -123,6 +132,7 @@ class Scheduler:
             out.num_new_tokens.append(n)
             out.copies += copies
             budget -= n
+        advance(self, out)
         out.connector_meta = self.connector.build_connector_meta(out)
         return out
 
@@ -167,6 +177,7 @@ class Scheduler:
                 self._append(seq, token, finished)
             if seq.exact_kv:  # blended KV is approximate: never offered to the prefix cache
                 self.blocks.cache_blocks(seq)
+        settle(self, out, failed_blocks)
         for parent, child in children:
             if (
                 parent.num_output_tokens != 1
@@ -217,6 +228,8 @@ class Scheduler:
                 continue
             if seq in self.running:
                 self.running.remove(seq)
+            elif seq is self.layering:
+                self.layering = seq.layering = None
             elif seq in self.waiting:
                 self.waiting.remove(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
@@ -244,6 +257,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         live = self.running + list(self.held.values()) + [s for s in self.waiting if s.block_table]
+        live += [self.layering] if self.layering is not None else []
         self.blocks.check_integrity(live)
         invariant(
             all(a.seq_id < b.seq_id for a, b in zip(self.running, self.running[1:])),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from tierkv.engine.blend_step import BlendState
 from tierkv.engine.radix import Node
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.storage_backends.hints import KVHint
+
+if TYPE_CHECKING:
+    from tierkv.engine.layering import Layering
 
 
 class Status(Enum):
@@ -56,6 +60,7 @@ class Sequence:
     metrics: SeqMetrics = field(default_factory=SeqMetrics)
     blend: BlendState | None = None  # a prompt in parts (any-position reuse); None: plain
     kv_hint: KVHint | None = None  # the workflow step it runs for (advice to the caches)
+    layering: Layering | None = None  # its layered prefill, while in flight (engine/layered.py)
     # With params.logprobs: per output token, (its logprob, [(token, logprob)] of the top ones).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
