@@ -19,7 +19,7 @@ layer 0 (exactly the concatenation of the re-rotated cached KV, nothing recomput
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 
 import torch
@@ -140,16 +140,37 @@ def rows_of(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
 def blend_forward(
     runner, ctx, params: BlendParams, loaded: list[tuple[int, int]], start: int, report: BlendReport
 ) -> torch.Tensor:
+    """blend_layers run through in one go."""
+    return drive(blend_layers(runner, ctx, params, loaded, start, report))
+
+
+def drive(layers: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """Run a layer generator to its end; its result."""
+    while True:
+        try:
+            next(layers)
+        except StopIteration as done:
+            return done.value
+
+
+def blend_layers(
+    runner, ctx, params: BlendParams, loaded: list[tuple[int, int]], start: int, report: BlendReport
+) -> Generator[None, None, torch.Tensor]:
     """The blend prefill of the step's only sequence, whose rows are its tokens from start on;
     returns the hidden states of the rows that reach the last layer and points
-    ctx.logits_indices at the last prompt token."""
+    ctx.logits_indices at the last prompt token. It yields after each of the model's layers
+    (a layered prefill runs a group of them per step)."""
     model, conn, n = runner.model, runner.connector, ctx.num_tokens
     cand = rows_of(
         [(a - start, b - start) for a, b in loaded], n
     )  # rows whose cached KV is in the blocks
     report.loaded, report.computed = int(cand.sum()), int((~cand).sum())
     if not cand.any():  # nothing loaded: an ordinary prefill
-        return model(ctx.input_ids, ctx.positions, runner.attend)
+        h = model.embed_tokens(ctx.input_ids)
+        for i, layer in enumerate(model.layers):
+            h = layer(i, h, ctx.positions, runner.attend)
+            yield
+        return h
     kv_dtype = runner.kv_caches[0].dtype
 
     def kept(rows: torch.Tensor):
@@ -230,6 +251,7 @@ def blend_forward(
         c = min(params.check_layer, len(model.layers) - 1)
         for i in range(c):
             h = model.layers[i](i, h, ctx.positions, runner.attend)
+            yield
         # The check layer: fresh K/V of every row (they are exact: every layer before ran in
         # full), but attention and MLP only for the kept rows, the only ones read later on.
         layer = model.layers[c]
@@ -238,14 +260,18 @@ def blend_forward(
         report.full_layers, first = c, c + 1
         if keep.numel() == n:  # everything kept: the rest is an ordinary prefill
             h = layer.finish(h, runner.attend(c, q, k, v))
+            yield
             for i in range(first, len(model.layers)):
                 h = model.layers[i](i, h, ctx.positions, runner.attend)
+                yield
             return h
         runner.store(c, k, v)
         h = layer.finish(h[keep], attention(c, q[keep]))
+        yield
     for i in range(first, len(model.layers)):
         if params.metric == "random" or params.ratio == 0.0 or i - first >= params.gradual:
             h = model.layers[i](i, h, pos, subset_attend)
+            yield
             continue
         # Gradual filtering: fresh K/V of every kept row (written), then attention and MLP
         # only for the rows that stay.
@@ -256,6 +282,7 @@ def blend_forward(
         keep, pos, slots, meta = kept(keep[sub])
         report.recomputed = int(cand[keep].sum())
         h = layer.finish(h[sub], attention(i, q[sub]))
+        yield
     ctx.logits_indices = torch.tensor([h.shape[0] - 1], device=h.device)
     ctx.num_sampled = 1
     return h

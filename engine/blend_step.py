@@ -5,18 +5,21 @@ rest of the core knows only that a sequence may carry a BlendState."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv.engine.blend import BlendParams, BlendReport, blend_forward
+from tierkv.engine.blend import BlendParams, BlendReport, blend_layers, drive
 
 if TYPE_CHECKING:
     from tierkv.engine.block_manager import BlockManager
     from tierkv.engine.context import Context
     from tierkv.engine.kv_connector import ConnectorRequest, KVConnector
     from tierkv.engine.model_runner import ModelRunner
+    from tierkv.engine.schedule_output import SchedulerOutput
+    from tierkv.engine.scheduler import Scheduler
     from tierkv.engine.sequence import Sequence
 
 
@@ -63,6 +66,23 @@ def admit(
     return copies, hit, ext
 
 
+def blend_alone(sched: Scheduler) -> SchedulerOutput | None:
+    """Chunked mode: the step of the blend prefill at the head of the queue, alone in it (its
+    whole prompt at once); None when the head is no blend or it does not fit yet."""
+    from tierkv.engine.schedule_output import SchedulerOutput  # it imports Sequence, and so this
+
+    head = sched.waiting[0] if sched.waiting else None
+    if head is None or not blending(head) or len(sched.running) >= sched.config.max_num_seqs:
+        return None
+    admitted = admit(head, sched.blocks, sched.connector)
+    if admitted is None:
+        return None
+    cow, hit, ext = admitted
+    sched.waiting.popleft()
+    sched.start(head, hit, ext)
+    return SchedulerOutput([head], [len(head) - head.num_computed_tokens], cow, blend=head)
+
+
 def unblend(seq: Sequence, failed_from: int, n: int) -> None:
     """A load into this step's blend prefill of n tokens failed from token failed_from: blended
     KV is all or nothing, so the prompt is prefilled plainly from the step's start (or from a
@@ -75,11 +95,19 @@ def unblend(seq: Sequence, failed_from: int, n: int) -> None:
 
 
 def blend_prefill(runner: ModelRunner, ctx: Context, seq: Sequence) -> torch.Tensor:
-    """The runner's forward of a blend prefill (the step's only sequence): once the loads are
-    fetched and verified, the loaded ranges are known; their report goes on seq's state."""
+    """The runner's forward of a blend prefill (the step's only sequence)."""
+    return drive(blend_steps(runner, ctx, seq))
+
+
+def blend_steps(
+    runner: ModelRunner, ctx: Context, seq: Sequence
+) -> Generator[None, None, torch.Tensor]:
+    """seq's blend prefill as a generator that yields after each layer (a layered prefill runs
+    a group a step): once the loads are fetched and verified, the loaded ranges are known;
+    their report goes on seq's state."""
     st = seq.blend
     assert st is not None and st.params is not None  # only a blending sequence is out.blend
     runner.connector.wait_for_layer_load(0)
     st.report = BlendReport()
     loaded = runner.connector.get_loaded_ranges(seq.request_id)
-    return blend_forward(runner, ctx, st.params, loaded, seq.num_computed_tokens, st.report)
+    return blend_layers(runner, ctx, st.params, loaded, seq.num_computed_tokens, st.report)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierkv.engine.blend import drive
+from tierkv.engine.blend_step import blend_steps, blending
 from tierkv.engine.context import Context, build_context
 from tierkv.engine.schedule_output import SchedulerOutput
 
@@ -44,16 +46,30 @@ def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
     rest = SchedulerOutput(out.seqs[:-1] if last else list(out.seqs))
     rest.num_new_tokens = out.num_new_tokens[: len(rest.seqs)]
     ctx = context_of(runner, rest) if rest.seqs else None
-    mine = context_of(runner, SchedulerOutput([seq], [st.rows]))
-    model, conn = runner.model, runner.connector
+    if st.ctx is None:  # its first step
+        st.ctx = context_of(runner, SchedulerOutput([seq], [st.rows]))
+        if blending(seq):
+            runner.ctx = st.ctx
+            st.steps = blend_steps(runner, st.ctx, seq)
+    mine, model, conn = st.ctx, runner.model, runner.connector
     h = model.embed_tokens(ctx.input_ids) if ctx is not None else None
-    hl = model.embed_tokens(mine.input_ids) if lo == 0 else st.hidden
-    assert hl is not None  # carried from the step before
+    hl = st.hidden
     runner.saving = False  # one save per layer, once both row sets wrote their KV
     try:
+        if st.steps is not None:  # a blend: its own rows per layer (engine/blend.py)
+            runner.ctx = mine
+            if last:  # the rows it returns, and which of them samples (blend.blend_layers)
+                hl = drive(st.steps)
+                hl = hl[mine.logits_indices[: mine.num_sampled]]
+            else:
+                for _ in range(hi - lo):
+                    next(st.steps)
+        elif lo == 0:
+            hl = model.embed_tokens(mine.input_ids)
         for i, layer in enumerate(model.layers):
             conn.wait_for_layer_load(i)  # every load lands in the admission step
-            if lo <= i < hi:
+            if st.steps is None and lo <= i < hi:
+                assert hl is not None  # carried from the step before
                 runner.ctx = mine
                 hl = layer(i, hl, mine.positions, runner.attend)
             if ctx is not None and h is not None:
@@ -66,8 +82,12 @@ def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
     runner.ctx = ctx if ctx is not None else mine
     rows = [] if ctx is None or h is None else [h[ctx.logits_indices][: ctx.num_sampled]]
     if last:
-        rows.append(hl[mine.num_tokens - 1 : mine.num_tokens])
-    return torch.cat(rows) if rows else hl[:0]
+        assert hl is not None
+        rows.append(hl if st.steps is not None else hl[mine.num_tokens - 1 : mine.num_tokens])
+    if rows:
+        return torch.cat(rows)
+    w = model.embed_tokens.weight
+    return w.new_zeros(0, w.shape[1])  # nothing samples this step
 
 
 def context_of(runner: ModelRunner, out: SchedulerOutput) -> Context:

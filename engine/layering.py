@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tierkv.engine.blend_step import admit, blending
 from tierkv.engine.schedule_output import SchedulerOutput
 from tierkv.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
     import torch
 
+    from tierkv.engine.context import Context
     from tierkv.engine.scheduler import Scheduler
 
 
@@ -29,6 +32,9 @@ class Layering:
     per_step: int  # layers a step
     next: int = 0  # the first layer of the next step's group
     hidden: torch.Tensor | None = None  # [rows, hidden] after layer next-1 (the runner's)
+    ctx: Context | None = None  # its rows' context, built in its first step (the runner's)
+    # a blend prefill's layers (blend_step.blend_steps), started in its first step
+    steps: Generator[None, None, torch.Tensor] | None = None
 
 
 def layers_per_step(rows: int, num_layers: int, budget: int, groups: int) -> int:
@@ -37,6 +43,12 @@ def layers_per_step(rows: int, num_layers: int, budget: int, groups: int) -> int
     if groups > 0:
         return math.ceil(num_layers / min(groups, num_layers))
     return max(1, min(num_layers, budget * num_layers // rows))
+
+
+def blend_layered(sched: Scheduler) -> bool:
+    """Whether the head of the queue is a blend prefill to layer (layered mode)."""
+    head = sched.waiting[0] if sched.waiting else None
+    return sched.config.prefill_mode == "layered" and head is not None and blending(head)
 
 
 def wants_layers(sched: Scheduler, seq: Sequence, todo: int) -> bool:
@@ -58,6 +70,31 @@ def admit_layered(
     sched.waiting.popleft()
     sched.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
     seq.num_computed_tokens = hit + ext
+    begin(sched, seq, hit, ext, copies, out)
+    return True
+
+
+def admit_blend(sched: Scheduler, seq: Sequence, out: SchedulerOutput) -> bool:
+    """Layered mode: start seq's blend prefill as a layered one (blend_step.admit: its whole
+    prompt's blocks, its loads planned); False, nothing changed, when another layered prefill
+    is in flight or its blocks do not fit yet."""
+    admitted = None if sched.layering is not None else admit(seq, sched.blocks, sched.connector)
+    if admitted is None:
+        return False
+    copies, hit, ext = admitted
+    sched.waiting.popleft()
+    begin(sched, seq, hit, ext, copies, out)
+    return True
+
+
+def begin(
+    sched: Scheduler,
+    seq: Sequence,
+    hit: int,
+    ext: int,
+    copies: list[tuple[int, int]],
+    out: SchedulerOutput,
+) -> None:
     if not seq.admitted:
         seq.admitted = True
         seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = hit, ext
@@ -68,7 +105,6 @@ def admit_layered(
     seq.layering = Layering(seq.num_computed_tokens, rows, per)
     sched.layering = seq
     out.copies += copies
-    return True
 
 
 def advance(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -84,6 +120,7 @@ def advance(sched: Scheduler, out: SchedulerOutput) -> None:
     if hi == sched.num_layers:
         out.seqs.append(seq)
         out.num_new_tokens.append(st.rows)
+        out.blend = seq if blending(seq) else None
         sched.layering = None
         bisect.insort(sched.running, seq, key=lambda s: s.seq_id)
 
@@ -111,6 +148,6 @@ def settle(sched: Scheduler, out: SchedulerOutput, failed_blocks: set[int]) -> N
         return
     seq = out.layered[0]
     if sched.layering is seq and any(b in failed_blocks for b in seq.block_table):
-        drop(sched)
+        drop(sched)  # a blend starts over as a blend: its loads are planned again
     elif sched.layering is not seq:
         seq.layering = None

@@ -12,12 +12,20 @@ import bisect
 from collections import deque
 from collections.abc import Iterable
 
-from tierkv.engine.blend_step import admit, blending, unblend
+from tierkv.engine.blend_step import blend_alone, blending, unblend
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.invariants import check_invariants_enabled, invariant
 from tierkv.engine.kv_connector import KVConnector
-from tierkv.engine.layering import admit_layered, advance, drop, settle, wants_layers
+from tierkv.engine.layering import (
+    admit_blend,
+    admit_layered,
+    advance,
+    blend_layered,
+    drop,
+    settle,
+    wants_layers,
+)
 from tierkv.engine.schedule_output import SchedulerOutput, computed_this_step
 from tierkv.engine.sequence import Sequence, Status
 
@@ -67,18 +75,11 @@ class Scheduler:
         out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        head = self.waiting[0] if self.waiting else None
-        if head is not None and blending(head) and len(self.running) < self.config.max_num_seqs:
-            admitted = admit(head, self.blocks, self.connector)
-            if admitted is not None:  # a blend prefill runs alone, its whole prompt at once
-                cow, hit, ext = admitted
-                self.waiting.popleft()
-                self._start(head, hit, ext)
-                n = len(head) - head.num_computed_tokens
-                out = SchedulerOutput([head], [n], cow, blend=head)
-                out.connector_meta = self.connector.build_connector_meta(out)
-                return out
-        out, budget, i = SchedulerOutput(), self.config.max_num_batched_tokens, 0
+        if self.config.prefill_mode == "chunked" and (alone := blend_alone(self)) is not None:
+            alone.connector_meta = self.connector.build_connector_meta(alone)
+            return alone  # layered mode: a blend prefill goes beside the running ones, below
+        out = SchedulerOutput()
+        budget, i = self.config.max_num_batched_tokens, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
@@ -98,6 +99,8 @@ class Scheduler:
             out.copies += copies
             budget -= n
             i += 1
+        if blend_layered(self) and not out.preempted:  # after the running ones took their blocks
+            admit_blend(self, self.waiting[0], out)
         while (
             self.waiting
             and budget > 0
@@ -127,7 +130,7 @@ class Scheduler:
             self.waiting.popleft()
             self.connector.update_state_after_alloc(seq, list(seq.block_table), ext)
             seq.num_computed_tokens += ext
-            self._start(seq, hit, ext)
+            self.start(seq, hit, ext)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             out.copies += copies
@@ -136,7 +139,7 @@ class Scheduler:
         out.connector_meta = self.connector.build_connector_meta(out)
         return out
 
-    def _start(self, seq: Sequence, hit: int, ext: int) -> None:
+    def start(self, seq: Sequence, hit: int, ext: int) -> None:
         """seq runs from this step on; its first admission sets what it found cached."""
         if not seq.admitted:
             seq.admitted = True

@@ -114,3 +114,83 @@ def test_bad_mode_is_refused(ckpt) -> None:
         LLM(ckpt[0], dtype="fp32", prefill_mode="sideways")
     with pytest.raises(ValueError, match="layer_groups"):
         LLM(ckpt[0], dtype="fp32", layer_groups=-1)
+
+
+def blend_engine(path, mode: str, conn) -> LLM:
+    return LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_bytes=16 << 20,
+        enable_prefix_caching=False,
+        kv_connector=conn,
+        prefill_mode=mode,
+        max_num_batched_tokens=BUDGET,
+        layer_groups=2,
+    )
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])
+def test_layered_blend_equals_the_blend_alone(ratio: float) -> None:
+    """A blend prefill layered over steps, beside decodes, samples from the same logits as the
+    same blend run alone in its step (the 4-layer model of tests/test_blend.py, fp32)."""
+    from tests.test_blend import DOCS, Logits, prompt
+
+    path = blend_ckpt()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, blend_ratio=ratio)
+    seen = []
+    for mode in ("chunked", "layered"):
+        conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="64MiB")))
+        llm = blend_engine(path, mode, conn)
+        llm.ingest([list(d) for d in DOCS])
+        rec = Logits(llm)
+        side = llm.add_request(None, DOCS[0][:20], SamplingParams(max_tokens=30, ignore_eos=True))
+        while not side.seqs[0].num_output_tokens:
+            llm.step()
+        req = llm.add_request(None, prompt([2, 0, 1]), params)
+        steps = 0
+        while not req.seqs[0].num_output_tokens:
+            before = side.seqs[0].num_output_tokens
+            llm.step()
+            steps += 1
+            assert side.seqs[0].num_output_tokens == before + (mode == "layered" or steps > 1)
+        blend = llm.output(req) if req.finished else None
+        while llm.has_unfinished():
+            llm.step()
+        assert steps == (2 if mode == "layered" else 1)  # 2 groups, or a step alone
+        report = req.seqs[0].blend.report
+        assert report is not None and report.loaded > 0
+        seen.append((rec.seen, report.as_dict(), list(req.seqs[0].output_ids), blend))
+        llm.check_integrity()
+        conn.close()
+    assert seen[0][1] == seen[1][1]  # the same rows recomputed
+    assert seen[0][2] == seen[1][2]  # and the same tokens
+
+
+_BLEND: list = []
+
+
+def blend_ckpt():
+    """tests/test_blend.py's checkpoint, saved once for this module."""
+    if not _BLEND:
+        import tempfile
+        from pathlib import Path
+
+        import transformers
+
+        path = Path(tempfile.mkdtemp(prefix="layered-blend-"))
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=256,
+            max_position_embeddings=1024,
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
+        transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+        _BLEND.append(path)
+    return _BLEND[0]
