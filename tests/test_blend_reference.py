@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tests.test_blend import DOCS, QUESTION, ckpt, conn, engine, first_logits, prompt  # noqa: F401
 from tierkv.connector import ConnectorConfig, TierKVConnector
-from tierkv.engine import LLM, SamplingParams, blend
+from tierkv.engine import LLM, SamplingParams, blend_rules
 from tierkv.storage_backends.build import TiersConfig
 
 
@@ -148,14 +148,14 @@ def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:
     logits, 0.15 recomputes its share and deviates less than 0.0."""
     path, _ = ckpt
     picked: list[set[int]] = []
-    inner = blend.select
+    inner = blend_rules.select
 
     def select(fresh, cached, ratio):  # observes the ranking, changes nothing
         idx = inner(fresh, cached, ratio)
         picked.append(set(idx.tolist()))
         return idx
 
-    monkeypatch.setattr(blend, "select", select)
+    monkeypatch.setattr(blend_rules, "select", select)
     order, loaded = [1, 0, 2], sum(map(len, DOCS))
     p15 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.15)
     first_logits(engine(path, conn), prompt(order), p15)
