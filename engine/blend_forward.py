@@ -107,8 +107,10 @@ def blend_forward(
 
     def late_mass() -> torch.Tensor:
         """query_late: the rows not loaded run alone over the cached KV up to the query layer
-        (their KV is rewritten by the prefill after); the question's attention there."""
-        nonlocal st, written
+        (their KV is rewritten by the prefill after); the question's attention there. Plain
+        attention: APE applies to the prefill only."""
+        nonlocal st, written, ape
+        ape = False
         ql = params.layer_of_query(layers)
         pre = ~cand
         pre[n - 1] = True
@@ -122,7 +124,7 @@ def blend_forward(
         conn.wait_for_layer_load(ql)
         write_kv(k, v, runner.layer_caches[ql], st.slots)
         qrows = question_rows(cand)
-        sel = torch.searchsorted(st.rows.cpu(), qrows)
+        sel, ape = torch.searchsorted(st.rows.cpu(), qrows), rule.ape
         return question_mass(ql, q[sel.to(q.device)], qrows)
 
     def rank(c: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
