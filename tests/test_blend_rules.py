@@ -5,6 +5,8 @@ rule; bad rule specs are refused naming the field. A real model, connector and c
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from hypothesis import strategies as hs
 
 from tests.blend_dense import Dense, Variant
 from tests.test_blend import DOCS, QUESTION, ckpt, conn, engine, first_logits, flat, prompt  # noqa: F401
+from tests.test_blend_prefix import SYS_A, with_prefix
 from tierkv.engine import SamplingParams
 from tierkv.engine.blend import BlendParams
 from tierkv.engine.blend_ape import ape_attention
@@ -190,3 +193,26 @@ def test_ape_is_plain_attention_with_unit_knobs_or_nothing_cached(
     none = torch.zeros(t, dtype=torch.bool)
     got = ape_attention(q, qpos, k, v, none, 0.35, temperature, scale)
     torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("rule", ["query_early", "query_late", "legolink", "legolink+cacheblend"])
+def test_ape_with_unit_knobs_over_a_declared_prefix_is_the_rule_alone(ckpt, conn, rule: str) -> None:
+    """After a declared prefix (its keys in the paged cache before the step's rows), APE with
+    T = S = 1 gathers the whole sequence's keys and must give the rule's own paged attention."""
+    llm = engine(ckpt[0], conn)
+    llm.config.blend_ape_temperature = llm.config.blend_ape_scale = 1.0
+    docs = sum(map(len, DOCS))
+    out = {}
+    for spec in (rule, rule + "+ape"):
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, blend_rule=spec, blend_ratio=0.2
+        )
+        out[spec] = first_logits(llm, with_prefix(SYS_A, ORDER), params)
+        m = out[spec][2].blend
+        assert m["loaded"] == docs and m["computed"] == len(QUESTION)
+        assert m["recomputed"] >= (math.ceil(0.2 * docs) if "query" in rule else 48)
+    torch.testing.assert_close(out[rule][0], out[rule + "+ape"][0], rtol=1e-4, atol=1e-4)
+    assert out[rule][2].blend == out[rule + "+ape"][2].blend
+    llm.config.blend_ape_temperature = 0.5  # APE does run: another temperature differs
+    hot = first_logits(llm, with_prefix(SYS_A, ORDER), params)[0]
+    assert not torch.allclose(hot, out[rule][0], rtol=1e-3, atol=1e-3)
