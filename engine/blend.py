@@ -115,7 +115,7 @@ class BlendReport:
     """What a blend prefill did (copied into the request's metrics)."""
 
     loaded: int = 0  # context tokens whose cached KV was used
-    recomputed: int = 0  # of those, recomputed after the check layer
+    recomputed: int = 0  # of those, run through the last layer (ranked, sinks, a loaded last)
     computed: int = 0  # tokens run through every layer (question, missed segments)
     full_layers: int = 0  # layers run in full on every token (the check layer's K/V excluded)
 
