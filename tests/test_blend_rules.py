@@ -196,7 +196,7 @@ def test_ape_is_plain_attention_with_unit_knobs_or_nothing_cached(
 
 
 @pytest.mark.parametrize("rule", ["query_early", "query_late", "legolink", "legolink+cacheblend"])
-def test_ape_with_unit_knobs_over_a_declared_prefix_is_the_rule_alone(ckpt, conn, rule: str) -> None:
+def test_unit_ape_after_a_declared_prefix_is_the_rule_alone(ckpt, conn, rule: str) -> None:
     """After a declared prefix (its keys in the paged cache before the step's rows), APE with
     T = S = 1 gathers the whole sequence's keys and must give the rule's own paged attention."""
     llm = engine(ckpt[0], conn)
