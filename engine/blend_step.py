@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv.engine.blend import BlendParams, BlendReport, blend_layers, drive
+from tierkv.engine.blend import BlendParams, BlendReport
+from tierkv.engine.blend_forward import blend_layers, drive
 
 if TYPE_CHECKING:
     from tierkv.engine.block_manager import BlockManager
@@ -110,4 +111,5 @@ def blend_steps(
     runner.connector.wait_for_layer_load(0)
     st.report = BlendReport()
     loaded = runner.connector.get_loaded_ranges(seq.request_id)
-    return blend_layers(runner, ctx, st.params, loaded, seq.num_computed_tokens, st.report)
+    start = seq.num_computed_tokens
+    return blend_layers(runner, ctx, st.params, loaded, st.segments, start, st.report)

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from tierkv.engine.blend import BlendParams
 from tierkv.engine.blend_step import BlendState
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.block_prefetch import BlockPrefetch
@@ -65,6 +64,12 @@ class Engine:
         blend_check_layer: int = 1,
         blend_metric: str = "k",
         blend_gradual: int = 0,
+        blend_rule: str = "cacheblend",
+        blend_sink_tokens: int = 16,
+        blend_query_layer: int | None = None,
+        blend_query_smooth: int = 2,
+        blend_ape_temperature: float = 0.9,
+        blend_ape_scale: float = 0.9,
         matmul_dtype: str = "auto",
         eviction: str = "lru",
         workflow_prefetch: bool = True,
@@ -86,6 +91,12 @@ class Engine:
             blend_check_layer=blend_check_layer,
             blend_metric=blend_metric,
             blend_gradual=blend_gradual,
+            blend_rule=blend_rule,
+            blend_sink_tokens=blend_sink_tokens,
+            blend_query_layer=blend_query_layer,
+            blend_query_smooth=blend_query_smooth,
+            blend_ape_temperature=blend_ape_temperature,
+            blend_ape_scale=blend_ape_scale,
             matmul_dtype=matmul_dtype,
             eviction=eviction,
             workflow_prefetch=workflow_prefetch,
@@ -93,8 +104,6 @@ class Engine:
             prefill_mode=prefill_mode,
             layer_groups=layer_groups,
         )
-        # checks the global knobs now
-        BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed
         )
@@ -175,7 +184,7 @@ class Engine:
         seq = self._new_seq(req, 0)
         seq.kv_hint = kv_hint
         if spans is not None and self.supports_segments:
-            seq.blend = BlendState(spans, prefix_len, self._blend_params(params))
+            seq.blend = BlendState(spans, prefix_len, blend_params(self.config, params))
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
@@ -257,6 +266,3 @@ class Engine:
     def _new_seq(self, req: Request, index: int) -> Sequence:
         self._next_id += 1
         return new_seq(req, index, self._next_id - 1, self._rng)
-
-    def _blend_params(self, params: SamplingParams) -> BlendParams:
-        return blend_params(self.config, params)

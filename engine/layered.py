@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv.engine.blend import drive
+from tierkv.engine.blend_forward import drive
 from tierkv.engine.blend_step import blend_steps, blending
 from tierkv.engine.context import Context, build_context
 from tierkv.engine.schedule_output import SchedulerOutput
@@ -58,7 +58,7 @@ def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
     try:
         if st.steps is not None:  # a blend: its own rows per layer (engine/blend.py)
             runner.ctx = mine
-            if last:  # the rows it returns, and which of them samples (blend.blend_layers)
+            if last:  # the rows it returns, and which of them samples (blend_forward.blend_layers)
                 hl = drive(st.steps)
                 hl = hl[mine.logits_indices[: mine.num_sampled]]
             else:
