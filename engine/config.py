@@ -158,6 +158,12 @@ class EngineConfig:
     # picks 2x blend_ratio there and re-ranks the picked rows at each of the next g layers by
     # their K deviation at that layer, narrowing linearly to blend_ratio.
     blend_gradual: int = 0
+    # CacheBlend: how a reusable part without a declared shared prefix is encoded for storage.
+    # "preamble": computed after the model's fixed preamble (engine/encoding.py: BOS and the
+    # chat template's system preamble), whose KV is dropped, so no part carries a false
+    # attention sink; "standalone": computed from position 0 (its first token a sink). Each is
+    # stored under its own keys. A declared prefix's parts are encoded after it either way.
+    blend_encoding: str = "preamble"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -174,6 +180,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.eviction not in ("lru", "hinted"):
             raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
+        if self.blend_encoding not in ("preamble", "standalone"):
+            raise ValueError(
+                f"blend_encoding must be 'preamble' or 'standalone', got {self.blend_encoding!r}"
+            )
         if self.block_prefetch < 0:
             raise ValueError(f"block_prefetch must be >= 0, got {self.block_prefetch}")
         if self.kv_cache_bytes <= 0:

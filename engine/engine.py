@@ -16,6 +16,7 @@ from tierkv.engine.blend_step import BlendState
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.block_prefetch import BlockPrefetch
 from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.encoding import preamble
 from tierkv.engine.intake import Prompt, blend_params, new_seq, prompt_tokens
 from tierkv.engine.kv_connector import KVConnector, NoOpConnector
 from tierkv.engine.loader import load_model
@@ -69,6 +70,7 @@ class Engine:
         eviction: str = "lru",
         workflow_prefetch: bool = True,
         block_prefetch: int = 32,
+        blend_encoding: str = "preamble",
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -88,11 +90,16 @@ class Engine:
             eviction=eviction,
             workflow_prefetch=workflow_prefetch,
             block_prefetch=block_prefetch,
+            blend_encoding=blend_encoding,
         )
         # checks the global knobs now
         BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed
+        )
+        # the tokens a reusable part without a declared prefix is encoded after; () standalone
+        self.segment_preamble = (
+            preamble(self.tokenizer) if self.config.blend_encoding == "preamble" else ()
         )
         self.device = torch.device(device)
         self.connector = kv_connector or NoOpConnector()
@@ -170,7 +177,8 @@ class Engine:
         seq = self._new_seq(req, 0)
         seq.kv_hint = kv_hint
         if spans is not None and self.supports_segments:
-            seq.blend = BlendState(spans, prefix_len, self._blend_params(params))
+            pre = () if prefix_len else self.segment_preamble
+            seq.blend = BlendState(spans, prefix_len, self._blend_params(params), preamble=pre)
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()

@@ -59,8 +59,8 @@ class LLM(Engine):
         hints = hints_for(kv_hints, len(batch))  # checked before anything runs
         segmented = [cast("list[PromptPart]", p) for p in batch if is_parts(p)]
         if segmented and self.supports_segments:
-            # Each reusable segment's KV must be stored before a blend can load it: standalone,
-            # or after the prompt's shared prefix.
+            # Each reusable segment's KV must be stored before a blend can load it: after the
+            # prompt's shared prefix, or without one as blend_encoding says.
             docs: dict[tuple[int, ...], list[list[int]]] = {}
             for parts in segmented:
                 prefix, segs = self.segments(parts)
@@ -117,25 +117,29 @@ class LLM(Engine):
         prefix: list[int] | None = None,
         cache_salt: str | None = None,
     ) -> int:
-        """Store the KV of each segment the connector lacks, once each, computed standalone
-        (positions from 0) or, given the shared prefix, right after it, under cache_salt's keys;
-        returns how many were computed. Steps the engine until idle: other requests advance
-        meanwhile. Needs a connector with segment support."""
+        """Store the KV of each segment the connector lacks, once each, under cache_salt's keys:
+        given the shared prefix, computed right after it; without one, after the engine's
+        segment preamble (blend_encoding "preamble", its KV not stored) or standalone
+        ("standalone", positions from 0). Returns how many were computed. Steps the engine
+        until idle: other requests advance meanwhile. Needs a connector with segment support."""
         prefix = list(prefix or [])
         unique = list(dict.fromkeys(tuple(s) for s in segments))
         if any(not s for s in unique):
             raise ValueError("a segment must hold at least one token")
         if not self.supports_segments:
             raise ValueError("the engine's connector does not store segments")
+        pre = () if prefix else self.segment_preamble
+        lead = prefix or list(pre)  # what each segment's KV is computed after
         present = self.connector.lookup_segments(
-            [list(s) for s in unique], prefix or None, cache_salt
+            [list(s) for s in unique], lead or None, cache_salt
         )
         todo = [list(s) for s, p in zip(unique, present) if not p]
         one = SamplingParams(max_tokens=1, ignore_eos=True, cache_salt=cache_salt)
-        p = len(prefix)
+        p = len(lead)
         for toks in todo:
-            req = self.add_request(None, prefix + toks, one)
-            req.seqs[0].blend = BlendState([(p, p + len(toks), True)], p, ingest=True)
+            req = self.add_request(None, lead + toks, one)
+            st = BlendState([(p, p + len(toks), True)], len(prefix), ingest=True, preamble=pre)
+            req.seqs[0].blend = st
         while self.has_unfinished():
             self.step()
         self.drain_saves()

@@ -68,6 +68,7 @@ def engine(path, conn=None) -> LLM:
         kv_cache_bytes=16 << 20,
         enable_prefix_caching=False,
         kv_connector=conn,
+        blend_encoding="standalone",
     )
 
 
