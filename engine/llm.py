@@ -4,6 +4,7 @@ step the engine until they are done; ingest() stores segments' KV ahead of their
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, cast
 
 from tqdm import tqdm
@@ -66,7 +67,7 @@ class LLM(Engine):
                 prefix, segs = self.segments(parts)
                 docs.setdefault(tuple(prefix), []).extend(segs)
             for prefix_ids, segs in docs.items():
-                self.ingest(segs, list(prefix_ids))
+                self.ingest(segs, list(prefix_ids), admission=True)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
@@ -116,11 +117,15 @@ class LLM(Engine):
         segments: list[list[int]],
         prefix: list[int] | None = None,
         cache_salt: str | None = None,
+        admission: bool = False,
     ) -> int:
         """Store the KV of each segment the connector lacks, once each, under cache_salt's keys:
         given the shared prefix, computed right after it; without one, after the engine's
         segment preamble (blend_encoding "preamble", its KV not stored) or standalone
-        ("standalone", positions from 0). Returns how many were computed. Steps the engine
+        ("standalone", positions from 0). With admission (segments met in prompts: generate,
+        the server), each occurrence is a sighting and only the segments the connector admits
+        are stored (ConnectorConfig.segment_admit_after); without, every one. Returns how many
+        were computed. Steps the engine
         until idle: other requests advance meanwhile. Needs a connector with segment support."""
         prefix = list(prefix or [])
         unique = list(dict.fromkeys(tuple(s) for s in segments))
@@ -133,7 +138,13 @@ class LLM(Engine):
         present = self.connector.lookup_segments(
             [list(s) for s in unique], lead or None, cache_salt
         )
-        todo = [list(s) for s, p in zip(unique, present) if not p]
+        admitted = [True] * len(unique)
+        if admission:
+            seen = Counter(tuple(s) for s in segments)
+            admitted = self.connector.sight_segments(
+                [list(s) for s in unique], lead or None, cache_salt, [seen[s] for s in unique]
+            )
+        todo = [list(s) for s, p, a in zip(unique, present, admitted) if a and not p]
         one = SamplingParams(max_tokens=1, ignore_eos=True, cache_salt=cache_salt)
         p = len(lead)
         for toks in todo:

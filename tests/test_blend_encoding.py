@@ -56,7 +56,9 @@ def question(cold: LLM) -> list[int]:
 
 @pytest.fixture
 def conn():
-    c = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="64MiB")))
+    c = TierKVConnector(
+        ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="64MiB"), segment_admit_after=1)
+    )
     yield c
     c.close()
 

@@ -18,7 +18,9 @@ DOCS = [words(list(range(100, 148))), words(list(range(150, 198)))]
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):
-    conn = TierKVConnector(ConnectorConfig(chunk_size=16, tiers=TiersConfig(cpu_bytes="16MiB")))
+    conn = TierKVConnector(
+        ConnectorConfig(chunk_size=16, tiers=TiersConfig(cpu_bytes="16MiB"), segment_admit_after=1)
+    )
     llm = LLM(
         tiny_checkpoint(tmp_path_factory.mktemp("rag")),
         dtype="fp32",

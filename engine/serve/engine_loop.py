@@ -147,7 +147,7 @@ class EngineLoop:
                 # the engine until idle: other requests advance meanwhile, streamed after.
                 prefix, segs = llm.segments(prompt)  # type: ignore[arg-type]
                 if segs:
-                    llm.ingest(segs, prefix, job.params.cache_salt)
+                    llm.ingest(segs, prefix, job.params.cache_salt, admission=True)
                     self._publish()
             req = llm.add_request(None, prompt, job.params, job.kv_hint)
         except (ValueError, RuntimeError) as e:  # a bad prompt, or documents that cannot fit
