@@ -24,15 +24,18 @@ def preamble(tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """The tokens a part is encoded after: for a chat checkpoint, the chat template's rendering
     before the first user message's text (its system preamble and the user turn's header, where
     a document sits in a chat prompt), led by the BOS token unless the template writes it; for
-    a tokenizer without a template, its BOS (or FIXED_RUN without one); without a tokenizer,
-    FIXED_RUN."""
+    a tokenizer without a template (or one that cannot render a lone user message), its BOS
+    (or FIXED_RUN without one); without a tokenizer, FIXED_RUN."""
     if tokenizer is None:
         return FIXED_RUN
     bos = tokenizer.token_id(tokenizer.bos_token) if tokenizer.bos_token else None
     ids: list[int] = []
     if tokenizer.chat_template is not None:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], False)
-        ids = tokenizer.encode(text[: text.index(_MARK)], add_special_tokens=False)
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], False)
+            ids = tokenizer.encode(text[: text.index(_MARK)], add_special_tokens=False)
+        except Exception:  # a template that refuses a lone user message: BOS alone
+            ids = []
     if bos is not None and ids[:1] != [bos]:
         ids = [bos, *ids]
     return tuple(ids) or FIXED_RUN

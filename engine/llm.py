@@ -108,9 +108,10 @@ class LLM(Engine):
 
     def segments(self, parts: list[PromptPart]) -> tuple[list[int], list[list[int]]]:
         """A prompt in parts as its declared shared prefix and its reusable segments: what
-        ingest must store before the prompt can blend them."""
+        ingest must store before the prompt can blend them (a repeated one once)."""
         tokens, spans, n = join_parts(parts, self.encode)
-        return tokens[:n], [tokens[a:b] for a, b, reusable in spans if reusable]
+        segs = dict.fromkeys(tuple(tokens[a:b]) for a, b, reusable in spans if reusable)
+        return tokens[:n], [list(s) for s in segs]  # each once: one sighting per prompt
 
     def ingest(
         self,

@@ -111,3 +111,32 @@ def test_budget_evicts_only_segments() -> None:
         assert out.metrics.external_tokens == len(HOT_PREFIXES[0]) - 1
     finally:
         conn.close()
+
+
+def test_a_sighting_is_a_prompt() -> None:
+    """A document twice in one prompt is one sighting (not stored); in two prompts of one
+    batch, two (stored, and both prompts blend it)."""
+    conn = TierKVConnector(ConnectorConfig(chunk_size=16, segment_admit_after=2))
+    llm = LLM(
+        dict(RANDOM_CONFIGS["tiny"]),
+        dtype="fp32",
+        kv_cache_bytes=8 << 20,
+        enable_prefix_caching=False,
+        kv_connector=conn,
+    )
+    try:
+        pre = list(llm.segment_preamble)
+        a, b = toks(48, 3000), toks(48, 3001)
+        twice = [PromptPart(a), PromptPart(a), PromptPart(QUESTION, reusable=False)]
+        out = llm.generate([twice], ONE, use_tqdm=False)[0]
+        assert out.metrics.blend["loaded"] == 0  # type: ignore[index]
+        assert conn.lookup_segments([a], pre) == [False]
+        outs = llm.generate([parts(b), parts(b)], ONE, use_tqdm=False)
+        assert [o.metrics.blend["loaded"] for o in outs] == [48, 48]  # type: ignore[index]
+        assert conn.lookup_segments([b], pre) == [True]
+        assert (
+            conn.segments.book.sightings[conn.hasher.segment_key(a, conn.hasher.prefix_key(pre))]
+            == 1
+        )
+    finally:
+        conn.close()
