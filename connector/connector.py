@@ -157,6 +157,7 @@ class TierKVConnector(KVConnector):
         cache_salt: str | None = None,
         times: list[int] | None = None,
     ) -> list[bool]:
+        """A sighting of each segment in the bounded segment store (connector/segments.py)."""
         return self.segments.sight(self.hasher.salted(cache_salt), segments, prefix, times)
 
     def get_num_new_matched_tokens(
@@ -182,7 +183,7 @@ class TierKVConnector(KVConnector):
         )
         self.stats.lookup_hit_tokens += new
         for c, hit in zip(st.chunks, st.hits if blend else []):
-            if hit:
+            if hit:  # a segment hit: the bounded store's most recently used
                 self.segments.book.touch(c.key)
         return new
 
