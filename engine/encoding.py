@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from tierkv.engine.tokenizer import Tokenizer
 
-ENCODINGS = ("preamble", "standalone")
 # A model without a tokenizer (the random-weight benchmark models): one fixed token stands in
 # for the BOS every prompt would start with.
 FIXED_RUN = (0,)

@@ -66,11 +66,17 @@ class LLM(Engine):
         )
         batch = cast("list[Prompt]", [prompts] if one else prompts)
         hints = hints_for(kv_hints, len(batch))  # checked before anything runs
-        segmented = [cast("list[PromptPart]", p) for p in batch if is_parts(p)]
-        held = iter(self.store_parts(segmented) if self.supports_segments else [])
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
+        segmented = [
+            (cast("list[PromptPart]", p), sp) for p, sp in zip(batch, plist) if is_parts(p)
+        ]
+        held = iter(
+            self.store_parts([p for p, _ in segmented], [sp.cache_salt for _, sp in segmented])
+            if self.supports_segments
+            else []
+        )
         reqs = [self.add_request(None, p, sp, h) for p, sp, h in zip(batch, plist, hints)]
         for p, req in zip(batch, reqs):
             if is_parts(p) and self.supports_segments and not next(held):
@@ -130,21 +136,23 @@ class LLM(Engine):
         return self._ingest(segments, prefix, cache_salt, False)[0]
 
     def store_parts(
-        self, prompts: list[list[PromptPart]], cache_salt: str | None = None
+        self, prompts: list[list[PromptPart]], cache_salts: list[str | None] | None = None
     ) -> list[bool]:
         """What generate and the server do before adding prompts in parts: each prompt is a
         sighting of its reusable segments, and the ones the connector admits
-        (ConnectorConfig.segment_admit_after) and lacks are stored (ingest). Returns, per
-        prompt, whether any of its segments is stored: one without runs as a plain prefill."""
-        groups: dict[tuple[int, ...], list[list[int]]] = {}
-        split = [self.segments(p) for p in prompts]
-        for prefix, segs in split:
-            groups.setdefault(tuple(prefix), []).extend(segs)
+        (ConnectorConfig.segment_admit_after) and lacks are stored (ingest), under each
+        prompt's cache salt. Returns, per prompt, whether any of its segments is stored: one
+        without runs as a plain prefill."""
+        salts = cache_salts or [None] * len(prompts)
+        groups: dict[tuple[tuple[int, ...], str | None], list[list[int]]] = {}
+        split = [(*self.segments(p), salt) for p, salt in zip(prompts, salts)]
+        for prefix, segs, salt in split:
+            groups.setdefault((tuple(prefix), salt), []).extend(segs)
         held = {
-            prefix: self._ingest(segs, list(prefix), cache_salt, True)[1]
-            for prefix, segs in groups.items()
+            (prefix, salt): self._ingest(segs, list(prefix), salt, True)[1]
+            for (prefix, salt), segs in groups.items()
         }
-        return [any(tuple(s) in held[tuple(pre)] for s in segs) for pre, segs in split]
+        return [any(tuple(s) in held[tuple(p), salt] for s in segs) for p, segs, salt in split]
 
     def _ingest(
         self,

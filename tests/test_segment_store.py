@@ -143,3 +143,26 @@ def test_a_sighting_is_a_prompt() -> None:
         )
     finally:
         conn.close()
+
+
+def test_parts_are_stored_under_the_prompts_cache_salt() -> None:
+    conn = TierKVConnector(ConnectorConfig(chunk_size=16, segment_admit_after=1))
+    llm = LLM(
+        dict(RANDOM_CONFIGS["tiny"]),
+        dtype="fp32",
+        kv_cache_bytes=8 << 20,
+        enable_prefix_caching=False,
+        kv_connector=conn,
+    )
+    try:
+        d = toks(48, 4000)
+        salted = SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.0, cache_salt="a"
+        )
+        out = llm.generate([parts(d)], salted, use_tqdm=False)[0]
+        assert out.metrics.blend["loaded"] == 48  # stored under salt a, loaded under it
+        pre = list(llm.segment_preamble)
+        assert conn.lookup_segments([d], pre, "a") == [True]
+        assert conn.lookup_segments([d], pre) == [False]  # nothing under the unsalted key
+    finally:
+        conn.close()

@@ -146,7 +146,7 @@ class EngineLoop:
             if is_parts(prompt) and llm.supports_segments:
                 # The documents' KV must be stored before the blend can load it. ingest steps
                 # the engine until idle: other requests advance meanwhile, streamed after.
-                held = llm.store_parts([prompt], job.params.cache_salt)[0]  # type: ignore[list-item]
+                held = llm.store_parts([prompt], [job.params.cache_salt])[0]  # type: ignore[list-item]
                 self._publish()
             req = llm.add_request(None, prompt, job.params, job.kv_hint)
             if not held:
