@@ -74,7 +74,9 @@ def ttft_rows(
     layers: int, queries: int, docs: list[list[int]], question: list[int], bar
 ) -> list[dict]:
     model = cfg(layers)
-    conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB")))
+    conn = TierKVConnector(
+        ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB"), segment_admit_after=1)
+    )
     full, prefix, blend = make(model), make(model, prefix=True), make(model, conn)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     blend.ingest(docs)
@@ -124,7 +126,9 @@ def ttft_rows(
 def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
     model = cfg(8)
     g = torch.Generator().manual_seed(11)
-    conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB")))
+    conn = TierKVConnector(
+        ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB"), segment_admit_after=1)
+    )
     full, blend = make(model), make(model, conn)
     full_rec, blend_rec = Recorder(full), Recorder(blend)
     rows = []

@@ -98,7 +98,9 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     system = tok.encode(SYSTEM, add_special_tokens=False)
     greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     full = LLM(model.source, dtype="bf16", kv_cache_bytes=256 << 20, enable_prefix_caching=False)
-    conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="2GiB")))
+    conn = TierKVConnector(
+        ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="2GiB"), segment_admit_after=1)
+    )
     blend = LLM(model.source, dtype="bf16", kv_cache_bytes=256 << 20, kv_connector=conn)
     full_rec, blend_rec = FirstLogits(full), FirstLogits(blend)
     variants = [("k", 1, 0, r) for r in ratios] + [

@@ -58,9 +58,23 @@ class ConnectorConfig:
     # of several keys over them and a get of a large key into layer shares, received in
     # worker threads (cacheserver.dataplane.stripes). 1: one connection.
     data_plane_stripes: int = 1
+    # The bounded segment store (connector/segment_book.py): the segments stored for
+    # any-position reuse (CacheBlend parts) hold at most this many bytes of KV, apart from the
+    # prefix KV; storing one past it evicts the least recently used segments. 0: unbounded.
+    segment_bytes: int | str = "256MiB"
+    # A part met in prompts (generate, the server) is stored on its Nth sighting; the earlier
+    # ones compute it in the prompt's prefill and store nothing, so novel documents never fill
+    # the cache. 1: stored on first sight. LLM.ingest called directly stores at once.
+    segment_admit_after: int = 2
+    segment_watch: int = 65536  # most parts whose sightings are remembered (oldest forgotten)
 
     def __post_init__(self) -> None:
         self.staging_bytes = parse_size(self.staging_bytes)
+        self.segment_bytes = parse_size(self.segment_bytes)
+        if self.segment_bytes < 0 or self.segment_admit_after < 1 or self.segment_watch < 1:
+            raise ValueError(
+                "segment_bytes must be >= 0, segment_admit_after and segment_watch >= 1"
+            )
         check_namespace(self.namespace)
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")

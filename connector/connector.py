@@ -25,8 +25,8 @@ from tierkv.connector.requests import (
     model_fingerprint,
     record_lookup,
     request_state,
-    segment_keys,
 )
+from tierkv.connector.segments import SegmentStore
 from tierkv.connector.steps import chunks_to_save, load_plans
 from tierkv.connector.transfer import engine_kv
 from tierkv.connector.worker import WorkerCore
@@ -59,6 +59,9 @@ class TierKVConnector(KVConnector):
         self.states: dict[str, RequestState] = {}
         self.finished: dict[str, dict[str, Any]] = {}  # metrics of finished requests, read once
         self.pending_loads: list[LoadPlan] = []
+        # the segments this connector stores, bounded apart from the prefix KV; scheduler side
+        # (the engine's thread) only
+        self.segments = SegmentStore(self.loop, self.store, self.config, self.stats)
         self.steps = 0  # forwards seen
         self.caches: list[torch.Tensor] = []
         self.kv_scales: torch.Tensor | None = None
@@ -145,12 +148,17 @@ class TierKVConnector(KVConnector):
     ) -> list[bool]:
         """Whether the store holds each segment's KV, computed standalone or, given prefix, right
         after that declared shared prefix (one batched lookup), under cache_salt's keys."""
-        keys = segment_keys(self.hasher.salted(cache_salt), segments, prefix)
-        try:
-            return self.loop.run(self.store.contains(keys, self.ns), self.config.lookup_timeout_s)
-        except Exception as e:
-            log.warning("connector segment lookup failed (%r): miss", e)
-            return [False] * len(keys)
+        return self.segments.lookup(self.hasher.salted(cache_salt), segments, prefix)
+
+    def sight_segments(
+        self,
+        segments: list[list[int]],
+        prefix: list[int] | None = None,
+        cache_salt: str | None = None,
+        times: list[int] | None = None,
+    ) -> list[bool]:
+        """A sighting of each segment in the bounded segment store (connector/segments.py)."""
+        return self.segments.sight(self.hasher.salted(cache_salt), segments, prefix, times)
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
@@ -174,6 +182,9 @@ class TierKVConnector(KVConnector):
             blend,
         )
         self.stats.lookup_hit_tokens += new
+        for c, hit in zip(st.chunks, st.hits if blend else []):
+            if hit:  # a segment hit: the bounded store's most recently used
+                self.segments.book.touch(c.key)
         return new
 
     def get_num_prefix_tokens(self, request: ConnectorRequest) -> int:
@@ -201,6 +212,8 @@ class TierKVConnector(KVConnector):
             st = self._state(seq)
             block_ids = None
             for c in chunks_to_save(st, start, start + n, self.stats):
+                if seq.blend is not None and not self.segments.book_chunk(st, c, self.worker.kv):
+                    continue
                 if block_ids is None:
                     block_ids = torch.tensor(seq.block_table, dtype=torch.int32)
                 plan = self.worker.stage(seq.request_id, block_ids, c, st.tokens[c.start : c.end])

@@ -46,7 +46,8 @@ def request_state(request: ConnectorRequest, hasher: ChunkHasher, partial: bool)
     """The chunks of a request's prompt: chained prefix chunks for a plain prompt; for a prompt
     in parts, those of its declared shared prefix P (if any, the last one partial) then one
     position-free chunk per reusable segment, keyed and parented under P's key (an ingest
-    request has one, the segment to store)."""
+    request has one, the segment to store). Without P, segments encoded after a preamble are
+    keyed under the preamble's prefix key (the preamble itself is never stored)."""
     tokens = np.asarray(request.token_ids[: request.num_prompt_tokens], dtype=np.int32)
     parts = request.blend
     if parts is None:
@@ -55,6 +56,8 @@ def request_state(request: ConnectorRequest, hasher: ChunkHasher, partial: bool)
     p = parts.prefix_len
     pre = prefix_chunks(hasher, tokens[:p], True) if p else []
     after = pre[-1].key if pre else None
+    if not p and parts.preamble:
+        after = hasher.prefix_key(np.asarray(parts.preamble, dtype=np.int32))
     spans = [(a, b) for a, b, reusable in parts.segments if reusable]
     segs = [
         Chunk(len(pre) + i, hasher.segment_key(tokens[a:b], after), after or bytes(16), a, b)

@@ -35,6 +35,9 @@ class BlendState:
     ingest: bool = False
     exact_kv: bool = True  # False once blended KV is in its blocks: never indexed, never stored
     report: BlendReport | None = None  # what its last blend prefill did
+    # Without a declared prefix: the tokens its segments are encoded after (engine/encoding.py;
+    # keyed under them); () for the standalone encoding. An ingest's prompt starts with them.
+    preamble: tuple[int, ...] = ()
 
 
 def blending(request: ConnectorRequest) -> bool:

@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             from tierkv.engine.serve.cli import run
 
             return run(args, llm, conn)
+        for p in prompts:  # --doc files are the operator's own: stored at once, not on sight
+            if isinstance(p, list) and p and isinstance(p[0], PromptPart) and llm.supports_segments:
+                prefix, segs = llm.segments(p)  # type: ignore[arg-type]
+                llm.ingest(segs, prefix)
         outs = llm.generate(prompts, sampling(args), use_tqdm=False)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

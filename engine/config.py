@@ -188,6 +188,13 @@ class EngineConfig:
     blend_ape_temperature: float = 0.9
     # ape: scale S of the context block's log-mass, T * S * logsumexp(s/T), against the rest's.
     blend_ape_scale: float = 0.9
+    # CacheBlend: how a reusable part without a declared shared prefix is encoded for storage.
+    # "preamble": computed after the model's fixed preamble (engine/encoding.py: BOS and the
+    # chat template's system preamble), whose KV is dropped, so no part carries a false
+    # attention sink; "standalone": computed from position 0 (its first token a sink). Each is
+    # stored under its own keys. A declared prefix's parts are encoded after it either way.
+    # Standalone is the default: on SmolLM2 the preamble deviated more (docs/cacheblend.md).
+    blend_encoding: str = "standalone"
 
     def __post_init__(self) -> None:
         BlendParams(
@@ -222,6 +229,10 @@ class EngineConfig:
             raise ValueError(f"layer_groups must be >= 0, got {self.layer_groups}")
         if self.eviction not in ("lru", "hinted"):
             raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
+        if self.blend_encoding not in ("preamble", "standalone"):
+            raise ValueError(
+                f"blend_encoding must be 'preamble' or 'standalone', got {self.blend_encoding!r}"
+            )
         if self.block_prefetch < 0:
             raise ValueError(f"block_prefetch must be >= 0, got {self.block_prefetch}")
         if self.kv_cache_bytes <= 0:

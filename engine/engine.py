@@ -15,6 +15,7 @@ from tierkv.engine.blend_step import BlendState
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.block_prefetch import BlockPrefetch
 from tierkv.engine.config import EngineConfig, ModelConfig
+from tierkv.engine.encoding import preamble
 from tierkv.engine.intake import Prompt, blend_params, new_seq, prompt_tokens
 from tierkv.engine.kv_connector import KVConnector, NoOpConnector
 from tierkv.engine.loader import load_model
@@ -76,6 +77,7 @@ class Engine:
         block_prefetch: int = 32,
         prefill_mode: str = "chunked",
         layer_groups: int = 0,
+        blend_encoding: str = "standalone",
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -103,9 +105,14 @@ class Engine:
             block_prefetch=block_prefetch,
             prefill_mode=prefill_mode,
             layer_groups=layer_groups,
+            blend_encoding=blend_encoding,
         )
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed
+        )
+        # the tokens a reusable part without a declared prefix is encoded after; () standalone
+        self.segment_preamble = (
+            preamble(self.tokenizer) if self.config.blend_encoding == "preamble" else ()
         )
         self.device = torch.device(device)
         self.connector = kv_connector or NoOpConnector()
@@ -184,7 +191,9 @@ class Engine:
         seq = self._new_seq(req, 0)
         seq.kv_hint = kv_hint
         if spans is not None and self.supports_segments:
-            seq.blend = BlendState(spans, prefix_len, blend_params(self.config, params))
+            pre = () if prefix_len else self.segment_preamble
+            params_ = blend_params(self.config, params)
+            seq.blend = BlendState(spans, prefix_len, params_, preamble=pre)
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()

@@ -148,6 +148,18 @@ class KVConnector(ABC):
         declared shared prefix, under cache_salt's keys."""
         raise NotImplementedError(f"{type(self).__name__} does not store segments")
 
+    def sight_segments(
+        self,
+        segments: list[list[int]],
+        prefix: list[int] | None = None,
+        cache_salt: str | None = None,
+        times: list[int] | None = None,
+    ) -> list[bool]:
+        """Count a sighting of each segment (times[i] prompts hold segments[i]) met in prompts:
+        whether each is admitted to the store (to be stored when it is missing). The default
+        admits every one."""
+        return [True] * len(segments)
+
     def get_num_prefix_tokens(self, request: ConnectorRequest) -> int:
         """Of the tokens get_num_new_matched_tokens just counted for a blend request, how many
         are its declared shared prefix, loaded exactly right after its local hit (the engine

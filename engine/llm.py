@@ -4,6 +4,7 @@ step the engine until they are done; ingest() stores segments' KV ahead of their
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, cast
 
 from tqdm import tqdm
@@ -11,7 +12,7 @@ from tqdm import tqdm
 from tierkv.engine.blend import PromptPart, join_parts
 from tierkv.engine.blend_step import BlendState
 from tierkv.engine.engine import Engine, Prompt
-from tierkv.engine.outputs import RequestOutput
+from tierkv.engine.outputs import Request, RequestOutput
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.tokenizer import Message
 from tierkv.storage_backends.hints import KVHint, parse_hint
@@ -38,6 +39,14 @@ def is_parts(prompt: Prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], PromptPart)
 
 
+def plain_prefill(req: Request) -> None:
+    """A prompt in parts none of whose segments is stored: prefilled as a plain prompt (in
+    chunks, with other sequences), its KV still never stored under prefix keys."""
+    for seq in req.seqs:
+        if seq.blend is not None:
+            seq.blend.params = None
+
+
 class LLM(Engine):
     """The offline front end: batches of prompts or conversations, and the segments a prompt
     in parts reuses, stored ahead (ingest)."""
@@ -57,20 +66,21 @@ class LLM(Engine):
         )
         batch = cast("list[Prompt]", [prompts] if one else prompts)
         hints = hints_for(kv_hints, len(batch))  # checked before anything runs
-        segmented = [cast("list[PromptPart]", p) for p in batch if is_parts(p)]
-        if segmented and self.supports_segments:
-            # Each reusable segment's KV must be stored before a blend can load it: standalone,
-            # or after the prompt's shared prefix.
-            docs: dict[tuple[int, ...], list[list[int]]] = {}
-            for parts in segmented:
-                prefix, segs = self.segments(parts)
-                docs.setdefault(tuple(prefix), []).extend(segs)
-            for prefix_ids, segs in docs.items():
-                self.ingest(segs, list(prefix_ids))
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
+        segmented = [
+            (cast("list[PromptPart]", p), sp) for p, sp in zip(batch, plist) if is_parts(p)
+        ]
+        held = iter(
+            self.store_parts([p for p, _ in segmented], [sp.cache_salt for _, sp in segmented])
+            if self.supports_segments
+            else []
+        )
         reqs = [self.add_request(None, p, sp, h) for p, sp, h in zip(batch, plist, hints)]
+        for p, req in zip(batch, reqs):
+            if is_parts(p) and self.supports_segments and not next(held):
+                plain_prefill(req)
         bar = tqdm(total=sum(sp.n for sp in plist), desc="generate", disable=not use_tqdm)
         finished = 0
         while self.has_unfinished():
@@ -107,9 +117,10 @@ class LLM(Engine):
 
     def segments(self, parts: list[PromptPart]) -> tuple[list[int], list[list[int]]]:
         """A prompt in parts as its declared shared prefix and its reusable segments: what
-        ingest must store before the prompt can blend them."""
+        ingest must store before the prompt can blend them (a repeated one once)."""
         tokens, spans, n = join_parts(parts, self.encode)
-        return tokens[:n], [tokens[a:b] for a, b, reusable in spans if reusable]
+        segs = dict.fromkeys(tuple(tokens[a:b]) for a, b, reusable in spans if reusable)
+        return tokens[:n], [list(s) for s in segs]  # each once: one sighting per prompt
 
     def ingest(
         self,
@@ -117,30 +128,73 @@ class LLM(Engine):
         prefix: list[int] | None = None,
         cache_salt: str | None = None,
     ) -> int:
-        """Store the KV of each segment the connector lacks, once each, computed standalone
-        (positions from 0) or, given the shared prefix, right after it, under cache_salt's keys;
-        returns how many were computed. Steps the engine until idle: other requests advance
-        meanwhile. Needs a connector with segment support."""
+        """Store the KV of each segment the connector lacks, once each, under cache_salt's keys:
+        given the shared prefix, computed right after it; without one, after the engine's
+        segment preamble (blend_encoding "preamble", its KV not stored) or standalone
+        ("standalone", positions from 0). Returns how many were computed. Steps the engine
+        until idle: other requests advance meanwhile. Needs a connector with segment support."""
+        return self._ingest(segments, prefix, cache_salt, False)[0]
+
+    def store_parts(
+        self, prompts: list[list[PromptPart]], cache_salts: list[str | None] | None = None
+    ) -> list[bool]:
+        """What generate and the server do before adding prompts in parts: each prompt is a
+        sighting of its reusable segments, and the ones the connector admits
+        (ConnectorConfig.segment_admit_after) and lacks are stored (ingest), under each
+        prompt's cache salt. Returns, per prompt, whether any of its segments is stored: one
+        without runs as a plain prefill."""
+        salts = cache_salts or [None] * len(prompts)
+        groups: dict[tuple[tuple[int, ...], str | None], list[list[int]]] = {}
+        split = [(*self.segments(p), salt) for p, salt in zip(prompts, salts)]
+        for prefix, segs, salt in split:
+            groups.setdefault((tuple(prefix), salt), []).extend(segs)
+        held = {
+            (prefix, salt): self._ingest(segs, list(prefix), salt, True)[1]
+            for (prefix, salt), segs in groups.items()
+        }
+        return [any(tuple(s) in held[tuple(p), salt] for s in segs) for p, segs, salt in split]
+
+    def _ingest(
+        self,
+        segments: list[list[int]],
+        prefix: list[int] | None,
+        cache_salt: str | None,
+        admission: bool,
+    ) -> tuple[int, set[tuple[int, ...]]]:
+        """ingest; with admission each occurrence in segments is a sighting and only the
+        admitted segments are stored. (segments computed, segments stored or held already)."""
         prefix = list(prefix or [])
         unique = list(dict.fromkeys(tuple(s) for s in segments))
         if any(not s for s in unique):
             raise ValueError("a segment must hold at least one token")
         if not self.supports_segments:
             raise ValueError("the engine's connector does not store segments")
+        if not unique:
+            return 0, set()
+        pre = () if prefix else self.segment_preamble
+        lead = prefix or list(pre)  # what each segment's KV is computed after
         present = self.connector.lookup_segments(
-            [list(s) for s in unique], prefix or None, cache_salt
+            [list(s) for s in unique], lead or None, cache_salt
         )
-        todo = [list(s) for s, p in zip(unique, present) if not p]
+        admitted = [True] * len(unique)
+        if admission:
+            seen = Counter(tuple(s) for s in segments)
+            admitted = self.connector.sight_segments(
+                [list(s) for s in unique], lead or None, cache_salt, [seen[s] for s in unique]
+            )
+        todo = [list(s) for s, p, a in zip(unique, present, admitted) if a and not p]
         one = SamplingParams(max_tokens=1, ignore_eos=True, cache_salt=cache_salt)
-        p = len(prefix)
+        p = len(lead)
         for toks in todo:
-            req = self.add_request(None, prefix + toks, one)
-            req.seqs[0].blend = BlendState([(p, p + len(toks), True)], p, ingest=True)
+            req = self.add_request(None, lead + toks, one)
+            st = BlendState([(p, p + len(toks), True)], len(prefix), ingest=True, preamble=pre)
+            req.seqs[0].blend = st
         while self.has_unfinished():
             self.step()
         self.drain_saves()
         self.connector.flush()
-        return len(todo)
+        held = {s for s, p in zip(unique, present) if p} | {tuple(t) for t in todo}
+        return len(todo), held
 
     def drain_saves(self, timeout: float = 60.0) -> None:
         """Wait for the connector to finish saves it holds blocks for, then free them."""

@@ -4,6 +4,8 @@ prefix keys (chained):   k_0 = H(salt || tokens_0),  k_i = H(k_{i-1} || tokens_i
 segment keys (position-free):  H(salt || b"segment" || tokens)
 segment keys after a declared shared prefix P:
     H(salt || b"after-prefix" || prefix_key(P) || tokens)
+segment keys encoded after the engine's preamble E (no declared prefix; engine/encoding.py):
+    H(salt || b"after-prefix" || prefix_key(E) || tokens), the same KV as after a declared E
 KV head parts of a chunk (the chunk stored as one segment per KV head):
     H(b"kv-head" || chunk_key || head as u32)
 where salt = Salt.digest() (16 bytes), tokens are little-endian int32 bytes and prefix_key(P)

@@ -68,6 +68,7 @@ def engine(path, conn=None) -> LLM:
         kv_cache_bytes=16 << 20,
         enable_prefix_caching=False,
         kv_connector=conn,
+        blend_encoding="standalone",
     )
 
 
@@ -81,7 +82,9 @@ def flat(order: list[int]) -> list[int]:
 
 @pytest.fixture
 def conn():
-    c = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="32MiB")))
+    c = TierKVConnector(
+        ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="32MiB"), segment_admit_after=1)
+    )
     yield c
     c.close()
 
@@ -231,7 +234,7 @@ def test_segment_keys_position_free_and_same_in_another_process() -> None:
 
 def test_corrupt_segment_is_computed_not_blended(ckpt) -> None:
     tier = FaultTier(CpuTierConfig(capacity_bytes="32MiB"))
-    conn = TierKVConnector(ConnectorConfig(chunk_size=64), tiers=[tier])
+    conn = TierKVConnector(ConnectorConfig(chunk_size=64, segment_admit_after=1), tiers=[tier])
     try:
         llm = engine(ckpt[0], conn)
         llm.ingest(DOCS)

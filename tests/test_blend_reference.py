@@ -70,7 +70,9 @@ def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:
     order, loaded = [1, 0, 2], sum(map(len, DOCS))
     p15 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=0.15)
     first_logits(engine(path, conn), prompt(order), p15)
-    fp8_conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="32MiB")))
+    fp8_conn = TierKVConnector(
+        ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="32MiB"), segment_admit_after=1)
+    )
     try:
         llm = LLM(
             str(path),
@@ -79,6 +81,7 @@ def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:
             enable_prefix_caching=False,
             kv_cache_dtype="fp8",
             kv_connector=fp8_conn,
+            blend_encoding="standalone",
         )
         ref, _, _ = first_logits(
             llm,

@@ -45,7 +45,10 @@ def ask(client: openai.OpenAI, docs: list[str], question: str, **extra: Any) -> 
 def test_documents_are_reused_in_any_order(client: openai.OpenAI) -> None:
     first = ask(client, DOCS, "w20 w21")
     assert first.choices[0].message.content
-    # the same documents in the other order, another question: their KV loads (blended)
+    # first sighting: computed in the prompt's prefill, not stored (segment_admit_after=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # the same documents in the other order, another question: the second sighting stores
+    # them and their KV loads (blended)
     again = ask(client, DOCS[::-1], "w30 w31")
     src = again.usage.model_extra["cached_tokens_by_source"]
     assert again.usage.prompt_tokens_details.cached_tokens >= 96 and src.get("cpu", 0) >= 96

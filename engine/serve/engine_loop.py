@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.engine.engine import NoFit, Prompt
-from tierkv.engine.llm import LLM, is_parts
+from tierkv.engine.llm import LLM, is_parts, plain_prefill
 from tierkv.engine.outputs import Request
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.sequence import Sequence
@@ -142,14 +142,15 @@ class EngineLoop:
         llm = self.llm
         try:
             prompt = job.prompt
+            held = True
             if is_parts(prompt) and llm.supports_segments:
                 # The documents' KV must be stored before the blend can load it. ingest steps
                 # the engine until idle: other requests advance meanwhile, streamed after.
-                prefix, segs = llm.segments(prompt)  # type: ignore[arg-type]
-                if segs:
-                    llm.ingest(segs, prefix, job.params.cache_salt)
-                    self._publish()
+                held = llm.store_parts([prompt], [job.params.cache_salt])[0]  # type: ignore[list-item]
+                self._publish()
             req = llm.add_request(None, prompt, job.params, job.kv_hint)
+            if not held:
+                plain_prefill(req)
         except (ValueError, RuntimeError) as e:  # a bad prompt, or documents that cannot fit
             self._reply(job, [Update(job.base, [], [], "error", error=str(e))])
             self._release()
