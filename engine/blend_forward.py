@@ -29,7 +29,7 @@ from tierkv.engine import blend_rules
 from tierkv.engine.blend import BlendParams, BlendReport, rows_of
 from tierkv.engine.blend_ape import ape_attention, attention_mass, read, seq_kv
 from tierkv.engine.blend_rules import count, question_rows, sink_rows, top_attended
-from tierkv.kernels import AttentionMeta, paged_attention, write_kv
+from tierkv.kernels import AttentionMeta
 
 
 @dataclass(slots=True)
@@ -102,7 +102,7 @@ def blend_layers(
             block = torch.cat([torch.zeros(start, dtype=torch.bool), stale]).to(k.device)
             t, s = params.ape_temperature, params.ape_scale
             return ape_attention(q, st.pos, k, v, block, runner.scale, t, s)
-        return paged_attention(q, runner.layer_caches[layer], st.meta, runner.scale)
+        return runner.ops.attention(q, runner.layer_caches[layer], st.meta, runner.scale)
 
     def mask(rows: torch.Tensor) -> torch.Tensor:
         m = torch.zeros(n, dtype=torch.bool)
@@ -111,7 +111,7 @@ def blend_layers(
 
     def subset_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         conn.wait_for_layer_load(layer)
-        write_kv(k, v, runner.layer_caches[layer], st.slots)
+        runner.ops.write_kv(k, v, runner.layer_caches[layer], st.slots)
         return attention(layer, q, written)
 
     def question_mass(layer: int, q: torch.Tensor, qrows: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def blend_layers(
         layer = model.layers[ql]
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), st.pos)
         conn.wait_for_layer_load(ql)
-        write_kv(k, v, runner.layer_caches[ql], st.slots)
+        runner.ops.write_kv(k, v, runner.layer_caches[ql], st.slots)
         qrows = question_rows(cand)
         sel, ape = torch.searchsorted(st.rows.cpu(), qrows), rule.ape
         return question_mass(ql, q[sel.to(q.device)], qrows)
@@ -152,7 +152,7 @@ def blend_layers(
         if rule.rank == "query_late":
             return top_attended(late, cand, params.ratio, params.smooth)
         if rule.rank == "query_early":  # fresh K/V first (runner.store saves it after)
-            write_kv(k, v, runner.layer_caches[c], ctx.slot_mapping)
+            runner.ops.write_kv(k, v, runner.layer_caches[c], ctx.slot_mapping)
             qrows = question_rows(cand)
             mass = question_mass(c, q[qrows.to(q.device)], qrows)
             return top_attended(mass, cand, params.ratio, params.smooth)
@@ -221,7 +221,7 @@ def blend_layers(
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), st.pos)
         sub = narrow(i, k)
         conn.wait_for_layer_load(i)
-        write_kv(k, v, runner.layer_caches[i], st.slots)
+        runner.ops.write_kv(k, v, runner.layer_caches[i], st.slots)
         wrote = mask(st.rows)
         st = kept(st.rows[sub.to(st.rows.device)])
         sub = sub.to(h.device)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tierkv.engine.scheduler import SchedulerOutput
-from tierkv.kernels import AttentionMeta, cpu, use_triton
+from tierkv.kernels import AttentionMeta, cpu
 
 DECODE_GROUP_RATIO = 2  # a decode group's shortest sequence is at least 1/2 of its longest
 
@@ -60,10 +60,12 @@ def build_context(
     block_size: int,
     num_blocks: int,
     one_decode_group: bool,
+    triton: bool,
     device: torch.device,
 ) -> Context:
     """The step's Context. one_decode_group: the C++ decode kernel serves this engine's caches,
-    so decodes of any lengths go in one call (the torch reference pads to the longest)."""
+    so decodes of any lengths go in one call (the torch reference pads to the longest).
+    triton: the Triton kernel serves attention (the whole step in one call)."""
     bs, ids, counts, starts = block_size, [], [], []
     for seq, n in zip(out.seqs, out.num_new_tokens):
         start = seq.num_computed_tokens
@@ -96,7 +98,7 @@ def build_context(
         ),
     )
     decode = None
-    if use_triton(tables.to(dev)):  # the Triton kernel takes the whole step at once
+    if triton:  # the Triton kernel takes the whole step at once
         fresh, paged = [], [full]
     else:
         # CPU path. Whole prompts with nothing cached attend only to themselves: causal SDPA,

@@ -92,4 +92,5 @@ def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
 
 def context_of(runner: ModelRunner, out: SchedulerOutput) -> Context:
     c, r = runner.config, runner
-    return build_context(out, c.block_size, r.num_blocks, r.one_decode_group, r.device)
+    triton = r.decodes.triton
+    return build_context(out, c.block_size, r.num_blocks, r.one_decode_group, triton, r.device)

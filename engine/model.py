@@ -4,11 +4,16 @@ The model is pure compute over flattened tokens [N, hidden]. Attention over the 
 is a callback, `attend(layer, q, k, v) -> out`, supplied by the ModelRunner for each step, so
 the runner owns every cache write, connector hook and per-layer schedule (CacheBlend can run
 the later layers on a subset of rows by calling `layer()` itself).
+
+bind() fixes each op's kernel once (kernels/step_ops.py): the modules then call the bound
+functions, and forward() runs the layers as one loop over plain per-layer records (LayerStep)
+with no module call and no dispatch check per op. An unbound model dispatches at each call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,8 +21,10 @@ from torch import nn
 from tierkv.engine.config import ModelConfig
 from tierkv.kernels import RotaryEmbedding
 from tierkv.kernels.layer_ops import linear, rms_norm, silu_mul
+from tierkv.kernels.step_ops import StepOps
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +32,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.op: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.op(x, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -35,9 +43,11 @@ class Linear(nn.Linear):
     then with the model-dtype weight kept as `narrow` for steps of few rows."""
 
     narrow: torch.Tensor | None = None
+    op: LinearFn | None = None  # set by LlamaForCausalLM.bind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.narrow)
+        op = self.op
+        return op(x) if op is not None else linear(x, self.weight, self.bias, self.narrow)
 
 
 class Attention(nn.Module):
@@ -68,9 +78,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.silu: Callable[[torch.Tensor], torch.Tensor] = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -94,6 +105,23 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _bound(m: nn.Module) -> LinearFn:
+    assert isinstance(m, Linear) and m.op is not None  # bind() sets every Linear's op first
+    return m.op
+
+
+@dataclass(slots=True)
+class LayerStep:
+    """One decoder layer as forward's loop reads it: its norm weights and bound linear layers."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    qkv: LinearFn
+    o: LinearFn
+    gate_up: LinearFn
+    down: LinearFn
+
+
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint name fragment -> (our module fragment, shard index in the packed weight)
     packed = {
@@ -107,9 +135,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        rope = RotaryEmbedding(
+        self.rope = rope = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
+        self.ops: StepOps | None = None
+        self.steps: list[LayerStep] = []
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -122,9 +152,50 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [N, hidden] (before the norm) of flattened tokens."""
         h = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(i, h, positions, attend)
+        ops = self.ops
+        if ops is None:
+            for i, layer in enumerate(self.layers):
+                h = layer(i, h, positions, attend)
+            return h
+        # DecoderLayer.forward, op for op, on the bound functions.
+        n, cfg = h.shape[0], self.cfg
+        if positions.shape != (n,):
+            raise ValueError(f"positions must be [{n}], got {tuple(positions.shape)}")
+        cos, sin = self.rope.cos_sin(positions)  # once for every layer
+        norm, silu, rot, eps = ops.rms_norm, ops.silu_mul, ops.rotate, cfg.rms_norm_eps
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        sizes = [hq * d, hkv * d, hkv * d]
+        for i, s in enumerate(self.steps):
+            q, k, v = s.qkv(norm(h, s.norm1, eps)).split_with_sizes(sizes, -1)
+            q, k = rot(q.view(n, hq, d), cos, sin), rot(k.view(n, hkv, d), cos, sin)
+            h = h + s.o(attend(i, q, k, v.reshape(n, hkv, d)).reshape(n, -1))
+            h = h + s.down(silu(s.gate_up(norm(h, s.norm2, eps))))
         return h
+
+    def bind(self, ops: StepOps) -> None:
+        """Fix every op's kernel (after the weights are final: loaded, widened). The linear
+        layers hold their weights' Parameters, so in-place updates of those stay seen."""
+        self.ops = ops
+        self.rope.rotate = ops.rotate
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.op = ops.linear(m.weight, m.bias, m.narrow)
+            elif isinstance(m, RMSNorm):
+                m.op = ops.rms_norm
+            elif isinstance(m, MLP):
+                m.silu = ops.silu_mul
+        self.steps = [
+            LayerStep(
+                x.input_layernorm.weight,
+                x.post_attention_layernorm.weight,
+                _bound(x.self_attn.qkv_proj),
+                _bound(x.self_attn.o_proj),
+                _bound(x.mlp.gate_up_proj),
+                _bound(x.mlp.down_proj),
+            )
+            for x in self.layers
+            if isinstance(x, DecoderLayer)
+        ]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
@@ -147,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
                 m.weight.data = m.weight.data.to(dtype).t().contiguous().t()
                 if m.bias is not None:
                     m.bias.data = m.bias.data.to(dtype)
+        if self.ops is not None:  # the tied lm_head and every narrow copy are new tensors
+            self.bind(self.ops)
 
     def _shard(self, cfg: ModelConfig, target: str, idx: int) -> tuple[int, int]:
         if target == "qkv_proj":

@@ -1,7 +1,9 @@
 """ModelRunner: owns device state (weights, paged KV caches, fp8 scales) and runs one step.
 
 The forward goes layer by layer through `attend`, which is where the connector's per-layer
-load wait and save happen, around the KV write and the paged attention of `kernels`.
+load wait and save happen, around the KV write and the paged attention of `kernels`. Which
+kernel runs each op is decided once, when the runner is made (kernels/step_ops.py): the
+environment (TRITON_INTERPRET, TIERKV_CPU_KERNEL) is read then and not during steps.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import torch.nn.functional as F
 from tierkv.engine.blend_step import blend_prefill
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.context import Context, build_context
+from tierkv.engine.decode_context import DecodeContexts
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.layered import layered_forward
 from tierkv.engine.model import LlamaForCausalLM
 from tierkv.engine.scheduler import SchedulerOutput
-from tierkv.kernels import FP8, LayerCache, cpu, fp8_scales, paged_attention, write_kv
+from tierkv.kernels import FP8, LayerCache, cpu, fp8_scales
 from tierkv.kernels.layer_ops import native_matmul
+from tierkv.kernels.step_ops import select
 
 FP8_HEADROOM = 2.0  # scales from the first batch's amax, doubled so later tokens rarely saturate
 
@@ -79,10 +83,20 @@ class ModelRunner:
         self.calibrated = self.kv_dtype != FP8
         # Views: the kernels see the scales calibrated in place and the copies-on-write.
         self.layer_caches = [LayerCache.of(c, s) for c, s in zip(self.kv_caches, self.kv_scales)]
+        self.ops = select(device, dtype, self.kv_dtype)
         # The C++ CPU decode kernel walks each sequence's own keys: decodes of any lengths go in
         # one call. The torch reference pads a decode batch to its longest sequence instead.
         q = torch.empty(1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.one_decode_group = cpu.decode_usable(q, self.layer_caches[0])
+        self.one_decode_group = self.ops.backend == "cpp" and cpu.decode_fits(
+            q, self.layer_caches[0]
+        )
+        self.decodes = DecodeContexts(
+            config.block_size,
+            self.num_blocks,
+            self.one_decode_group,
+            self.ops.backend == "triton",
+            device,
+        )
         self.scale = cfg.head_dim**-0.5
         self.ctx: Context | None = None
         self.saving = True  # store() hands each layer to the connector (off: layered prefill)
@@ -94,12 +108,21 @@ class ModelRunner:
             config.matmul_dtype == "auto" and not native_matmul(dtype, device)
         ):
             model.widen_matmuls(torch.float32)
+        model.bind(self.ops)  # after the weights are final
 
     def prepare(self, out: SchedulerOutput) -> Context:
-        self.ctx = build_context(
-            out, self.config.block_size, self.num_blocks, self.one_decode_group, self.device
-        )
-        return self.ctx
+        ctx = self.decodes.build(out)
+        if ctx is None:
+            ctx = build_context(
+                out,
+                self.config.block_size,
+                self.num_blocks,
+                self.one_decode_group,
+                self.decodes.triton,
+                self.device,
+            )
+        self.ctx = ctx
+        return ctx
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the step's K/V of layer into the cache (after that layer's load landed) and hand
@@ -111,7 +134,7 @@ class ModelRunner:
             self.kv_scales[layer, 0] = fp8_scales(k[:n]) * FP8_HEADROOM
             self.kv_scales[layer, 1] = fp8_scales(v[:n]) * FP8_HEADROOM
         self.connector.wait_for_layer_load(layer)
-        write_kv(k, v, self.layer_caches[layer], ctx.slot_mapping)
+        self.ops.write_kv(k, v, self.layer_caches[layer], ctx.slot_mapping)
         if self.saving:
             self.connector.save_kv_layer(layer, self.kv_caches[layer], ctx)
 
@@ -129,7 +152,7 @@ class ModelRunner:
             out[:n] = o
             return out
         out = torch.zeros_like(q)
-        kernel = bool(ctx.fresh) and cpu.prefill_usable(q, k, v)
+        kernel = bool(ctx.fresh) and self.ops.backend == "cpp" and cpu.prefill_fits(q, k, v)
         for s, e in ctx.fresh:
             if kernel:
                 out[s:e] = cpu.prefill_attention(
@@ -147,7 +170,7 @@ class ModelRunner:
             )[0].transpose(0, 1)
         for p in ctx.paged:
             qp = q[:n] if p.rows is None else q[p.rows]
-            o = paged_attention(qp, cache, p.meta, self.scale)
+            o = self.ops.attention(qp, cache, p.meta, self.scale)
             if p.rows is None:
                 out[:n] = o
             else:

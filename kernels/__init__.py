@@ -28,7 +28,8 @@ def paged_attention(
         from tierkv.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, cache, meta, scale)
-    return paged_attention_ref(q, cache, meta, scale, cpu_kernel=True)
+    kernel = q.device.type == "cpu" and cpu.enabled() and cpu.load()
+    return paged_attention_ref(q, cache, meta, scale, cpu_kernel=kernel)
 
 
 def write_kv(

@@ -56,7 +56,9 @@ def decode_chunk(total_keys: int) -> int:
 
 
 def enabled() -> bool:
-    """TIERKV_CPU_KERNEL=0 turns the C++ kernels off (the torch code runs)."""
+    """TIERKV_CPU_KERNEL=0 turns the C++ kernels off (the torch code runs). The kernel-level
+    functions read it at each call; an engine reads it once, when its model is bound
+    (kernels/step_ops.py)."""
     return os.environ.get("TIERKV_CPU_KERNEL", "1") != "0"
 
 
@@ -131,21 +133,27 @@ def _fp8_table() -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(FP8).float()
 
 
-def decode_usable(q: torch.Tensor, cache: LayerCache) -> bool:
-    """True when the kernel serves this call: CPU tensors, a cache in q's dtype or fp8, the
-    kernel's size limits, and a successful build."""
+def decode_fits(q: torch.Tensor, cache: LayerCache) -> bool:
+    """True when the decode kernel's limits admit this call: CPU tensors, a cache in q's dtype
+    or fp8, contiguous caches, a head dim that is a multiple of 16 up to 256, GQA groups up to
+    16. Whether the library is on and built is the caller's (decode_usable, or a binding made
+    once per model: kernels/step_ops.py)."""
     g = q.shape[1] // cache.k.shape[2]
     return (
         q.device.type == "cpu"
-        and enabled()
         and (cache.k.dtype == q.dtype or cache.fp8)
         and cache.k.is_contiguous()
         and cache.v.is_contiguous()
         and q.shape[2] % 16 == 0
         and q.shape[2] <= 256
         and g <= 16
-        and load()
     )
+
+
+def decode_usable(q: torch.Tensor, cache: LayerCache) -> bool:
+    """True when the kernel serves this call: decode_fits, the library on
+    (TIERKV_CPU_KERNEL, read at each call) and built."""
+    return decode_fits(q, cache) and enabled() and load()
 
 
 def rope_usable(x: torch.Tensor) -> bool:
@@ -208,20 +216,24 @@ def paged_decode(
     )
 
 
-def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when torch.ops.tierkv.prefill_attention serves q [Nq, Hq, D] over k, v [T, Hkv, D]:
-    CPU tensors of one dtype, fp32 or bf16, rows contiguous, D a multiple of 64 up to 256."""
+def prefill_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when the prefill kernel's limits admit q [Nq, Hq, D] over k, v [T, Hkv, D]: CPU
+    tensors of one dtype, fp32 or bf16, rows contiguous, D a multiple of 64 up to 256."""
     return (
         q.device.type == "cpu"
-        and enabled()
         and q.dim() == k.dim() == v.dim() == 3
         and q.dtype == k.dtype == v.dtype
         and q.dtype in (torch.float32, torch.bfloat16)
         and q.shape[2] % 64 == 0
         and q.shape[2] <= 256
         and q.stride(2) == k.stride(2) == v.stride(2) == 1
-        and load()
     )
+
+
+def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when torch.ops.tierkv.prefill_attention serves this call: prefill_fits, the library
+    on and built."""
+    return prefill_fits(q, k, v) and enabled() and load()
 
 
 def prefill_attention(

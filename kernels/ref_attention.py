@@ -169,7 +169,7 @@ def _decode(
     b, hq, d = q.shape
     dec_ids, dec_seen = plan.dec_ids, plan.dec_seen
     assert dec_ids is not None and dec_seen is not None  # called only for a plan with decodes
-    if cpu_kernel and cpu.decode_usable(q, cache):
+    if cpu_kernel and cpu.decode_fits(q, cache):
         return cpu.paged_decode(q, cache, dec_ids.view(b, -1), dec_seen, scale)
     hkv = cache.k.shape[2]
     kv = []
@@ -215,9 +215,9 @@ def paged_attention_ref(
     cpu_kernel: bool = False,
 ) -> torch.Tensor:
     """Arguments as kernels.paged_attention checks them; the values are checked here, once per
-    plan. cpu_kernel: decodes and prefills go through the C++ kernels (kernels/cpu.py) where
-    they are usable (the engine's CPU path); False keeps everything in torch (the reference
-    proper)."""
+    plan. cpu_kernel: the C++ kernels (kernels/cpu.py) are on and built, so decodes and prefills
+    go through them where their limits admit the call (the engine's CPU path); False keeps
+    everything in torch (the reference proper)."""
     if q.shape[0] == 0:
         check_values(q, cache, meta)
         return torch.zeros_like(q)
@@ -228,7 +228,7 @@ def paged_attention_ref(
     if plan.dec_rows is not None:
         out[plan.dec_rows] = _decode(q[plan.dec_rows], plan, cache, scale, cpu_kernel)
     # The prefill kernel also needs the cache in q's dtype.
-    kernel = cpu_kernel and cpu.prefill_usable(q, cache.k[0], cache.v[0])
+    kernel = cpu_kernel and cpu.prefill_fits(q, cache.k[0], cache.v[0])
     bs = cache.k.shape[1]
     for b, s, e, t, chunks in plan.prefills:
         bt = meta.block_tables[b : b + 1]

@@ -4,6 +4,7 @@ cat(freqs, freqs)), Llama-3 frequency scaling, and re-rotation of cached K by a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,9 @@ class RotaryEmbedding:
     # positions tensor, so the lookup (a min/max sync and two gathers) runs once per step.
     # Held by identity: the reference keeps the tensor alive, so its id is not reused.
     _last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
+    # The rotation kernel an engine bound once (kernels/step_ops.py), x [N, H, D] by contiguous
+    # cos/sin [N, D/2]; None dispatches at each call.
+    rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim <= 0 or self.head_dim % 2:
@@ -114,6 +118,8 @@ class RotaryEmbedding:
                 f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}"
             )
         cos, sin = self.cos_sin(positions)
+        if self.rotate is not None:
+            return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if use_triton(q):
             from tierkv.kernels.triton_rope import rope_triton
 

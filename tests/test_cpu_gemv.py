@@ -4,10 +4,13 @@ build fails these tests; it never skips them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity, profile
 
 from tierkv.engine import LLM, SamplingParams
 from tierkv.engine.model import Linear
@@ -118,7 +121,7 @@ def test_linear_dispatch_by_rows(monkeypatch) -> None:
     assert calls == [1, GEMV_ROWS]
 
 
-def test_engine_decodes_through_the_bf16_weights(monkeypatch) -> None:
+def test_engine_decodes_through_the_bf16_weights() -> None:
     """A bf16 model widened to fp32 keeps its bf16 weights (the tied lm_head shares the
     embedding's), decodes through them, and gives the greedy tokens of the fp32-only path."""
     cfg = dict(
@@ -142,13 +145,18 @@ def test_engine_decodes_through_the_bf16_weights(monkeypatch) -> None:
         and m.weight.dtype == torch.float32
         for m in linears
     )
-    rows = []
-    inner = layer_ops.gemv_usable
-    monkeypatch.setattr(
-        layer_ops, "gemv_usable", lambda x, w: rows.append(x.shape[0]) or inner(x, w)
-    )
-    with_gemv = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
-    assert rows.count(1) >= 23 * len(linears)  # every decode step's every linear layer
-    monkeypatch.setattr(layer_ops, "gemv_usable", lambda x, w: False)
-    without = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    ops = llm.runner.ops
+    assert ops.backend == "cpp" and ops.cpp  # bound once, when the engine was made
+
+    def run() -> tuple[list[int], int]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            tokens = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        calls = sum(e.count for e in prof.key_averages() if e.key == "tierkv::gemv_bf16")
+        return tokens, calls
+
+    with_gemv, calls = run()
+    assert calls >= 23 * len(linears)  # every decode step's every linear layer
+    model.bind(dataclasses.replace(ops, cpp=False))  # the same kernels but the fp32 GEMMs
+    without, calls = run()
+    assert calls == 0
     assert with_gemv == without
