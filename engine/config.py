@@ -158,6 +158,11 @@ class EngineConfig:
     # picks 2x blend_ratio there and re-ranks the picked rows at each of the next g layers by
     # their K deviation at that layer, narrowing linearly to blend_ratio.
     blend_gradual: int = 0
+    # Which rule a prompt in parts blends with when its request sets no blend_ratio: "auto" =
+    # the model's calibration (`tierkv-engine calibrate-blend`, stored beside the model file);
+    # without one, prompts in parts fall back to prefix reuse (no blend). "off" = the blend_*
+    # knobs above. A path = that calibration file (refused if it is another model's).
+    blend_calibration: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -176,5 +181,7 @@ class EngineConfig:
             raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
         if self.block_prefetch < 0:
             raise ValueError(f"block_prefetch must be >= 0, got {self.block_prefetch}")
+        if not self.blend_calibration:
+            raise ValueError("blend_calibration must be 'auto', 'off' or a file path")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")

@@ -12,14 +12,16 @@ from typing import Any
 import torch
 
 from tierkv.engine.blend import BlendParams
+from tierkv.engine.blend_gate import BlendGate
 from tierkv.engine.blend_step import BlendState
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.block_prefetch import BlockPrefetch
 from tierkv.engine.config import EngineConfig, ModelConfig
-from tierkv.engine.intake import Prompt, blend_params, new_seq, prompt_tokens
+from tierkv.engine.intake import Prompt, new_seq, prompt_tokens
 from tierkv.engine.kv_connector import KVConnector, NoOpConnector
 from tierkv.engine.loader import load_model
 from tierkv.engine.model_runner import ModelRunner
+from tierkv.engine.models import resolve
 from tierkv.engine.outputs import EngineStats, Request, RequestOutput
 from tierkv.engine.sampler import sample_step
 from tierkv.engine.sampling_params import SamplingParams
@@ -69,6 +71,7 @@ class Engine:
         eviction: str = "lru",
         workflow_prefetch: bool = True,
         block_prefetch: int = 32,
+        blend_calibration: str = "auto",
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -88,11 +91,15 @@ class Engine:
             eviction=eviction,
             workflow_prefetch=workflow_prefetch,
             block_prefetch=block_prefetch,
+            blend_calibration=blend_calibration,
         )
         # checks the global knobs now
         BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed
+        )
+        self.blend_gate = BlendGate.open(
+            blend_calibration, resolve(model) if isinstance(model, str) else model
         )
         self.device = torch.device(device)
         self.connector = kv_connector or NoOpConnector()
@@ -170,7 +177,9 @@ class Engine:
         seq = self._new_seq(req, 0)
         seq.kv_hint = kv_hint
         if spans is not None and self.supports_segments:
-            seq.blend = BlendState(spans, prefix_len, self._blend_params(params))
+            blend, seq.metrics.blend_rule = self.blend_choice(params)
+            if blend is not None:  # else prefix reuse: the plain prompt of its tokens
+                seq.blend = BlendState(spans, prefix_len, blend)
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
@@ -247,11 +256,15 @@ class Engine:
         """Sample `index` of seq's request (n > 1), hinted as seq is."""
         child = self._new_seq(self.requests[seq.group], index)
         child.kv_hint = seq.kv_hint
+        child.metrics.blend_rule = seq.metrics.blend_rule
         return child
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
         self._next_id += 1
         return new_seq(req, index, self._next_id - 1, self._rng)
 
-    def _blend_params(self, params: SamplingParams) -> BlendParams:
-        return blend_params(self.config, params)
+    def blend_choice(self, params: SamplingParams) -> tuple[BlendParams | None, str]:
+        """How a prompt in parts with these params runs: its blend parameters, or None for
+        prefix reuse (no calibration met its target), and the label its usage shows
+        (engine/blend_gate.py)."""
+        return self.blend_gate.choose(self.config, params)

@@ -57,8 +57,15 @@ class LLM(Engine):
         )
         batch = cast("list[Prompt]", [prompts] if one else prompts)
         hints = hints_for(kv_hints, len(batch))  # checked before anything runs
-        segmented = [cast("list[PromptPart]", p) for p in batch if is_parts(p)]
-        if segmented and self.supports_segments:
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
+        segmented = [
+            cast("list[PromptPart]", p)
+            for p, sp in zip(batch, plist)
+            if is_parts(p) and self.supports_segments and self.blend_choice(sp)[0] is not None
+        ]
+        if segmented:
             # Each reusable segment's KV must be stored before a blend can load it: standalone,
             # or after the prompt's shared prefix.
             docs: dict[tuple[int, ...], list[list[int]]] = {}
@@ -67,9 +74,6 @@ class LLM(Engine):
                 docs.setdefault(tuple(prefix), []).extend(segs)
             for prefix_ids, segs in docs.items():
                 self.ingest(segs, list(prefix_ids))
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
-        if len(plist) != len(batch):
-            raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
         reqs = [self.add_request(None, p, sp, h) for p, sp, h in zip(batch, plist, hints)]
         bar = tqdm(total=sum(sp.n for sp in plist), desc="generate", disable=not use_tqdm)
         finished = 0

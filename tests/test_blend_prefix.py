@@ -62,7 +62,14 @@ def test_declared_prefix_from_the_prefix_cache(ckpt, conn) -> None:
     """With prefix caching on, the ingest leaves the prefix's whole blocks in the radix tree: the
     blend takes those and loads the 4 tokens past the last whole block from the connector."""
     ref, _, _ = first_logits(engine(ckpt[0]), SYS_A + flat([1, 2]), greedy(4))
-    llm = LLM(str(ckpt[0]), dtype="float32", kv_cache_bytes=16 << 20, kv_connector=conn)
+    llm = LLM(
+        str(ckpt[0]),
+        dtype="float32",
+        kv_cache_bytes=16 << 20,
+        kv_connector=conn,
+        blend_calibration="off",
+        blend_calibration="off",
+    )
     got, _, m = first_logits(llm, with_prefix(SYS_A, [1, 2]), greedy(4, 1.0))
     assert (m.cached_tokens, m.external_tokens) == (96, 4 + len(DOCS[1]) + len(DOCS[2]))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -168,6 +168,7 @@ def test_fp8_cache_blend(ckpt, conn, monkeypatch) -> None:
             enable_prefix_caching=False,
             kv_cache_dtype="fp8",
             kv_connector=fp8_conn,
+            blend_calibration="off",
         )
         ref, _, _ = first_logits(
             llm,
