@@ -34,7 +34,7 @@ from tierkv.storage_backends.build import TiersConfig
 
 RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5)
 DOCS_PER = (2, 3, 4, 5, 6, 7, 8)
-TOKENS = 16  # greedy tokens per answer
+TOKENS = {"pydoc": 12, "demo": 40}  # greedy tokens per answer: a value; a sentence
 
 
 def demo_tasks(count: Any, orders: int, seed: int = 0) -> list[blend_tasks.Task]:
@@ -87,13 +87,14 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     tasks += demo_tasks(count, 1 if quick else 2)[: 2 if quick else None]
     ratios = (0.0, 0.15) if quick else RATIOS
     pairs = [(r, x) for r in rules() for x in ratios]
-    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0)
     full_rec, blend_rec = First(full), First(blend)
     per: list[dict[str, Any]] = []
     bar = tqdm(total=len(tasks) * (1 + len(pairs)), desc="blend task")
     for qi, task in enumerate(tasks):
         system = blend_tasks.SYSTEM if task.source == "pydoc" else rag_docs.SYSTEM
         flat, parts = blend_tasks.prompt(encode, task, system)
+        tokens = TOKENS[task.source]
+        greedy = SamplingParams(max_tokens=tokens, temperature=0.0)
         ref, ref_logits = full_rec.run(full, flat, greedy)
         ref_lp = ref_logits.log_softmax(-1)
         base = {"q": qi, "set": task.source, "docs": len(task.docs), "tokens": len(flat)}
@@ -103,7 +104,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
         per[-1] |= {"ttft_ratio": 1.0, "answer": ref.text}
         bar.update()
         for rule, ratio in pairs:
-            out, logits = blend_rec.run(blend, parts, params_of(rule, ratio, TOKENS))
+            out, logits = blend_rec.run(blend, parts, params_of(rule, ratio, tokens))
             kl = torch.nn.functional.kl_div(
                 logits.log_softmax(-1), ref_lp, log_target=True, reduction="sum"
             )

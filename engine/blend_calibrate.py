@@ -113,7 +113,7 @@ def calibrate(
             sp = params_of(rule, ratio, cfg.max_tokens)
             agree = right = done = 0
             for (_, parts), task, r in zip(prompts, sample, ref):
-                o = blend.generate([parts], sp, use_tqdm=False)[0]
+                o = blend.generate(parts, sp, use_tqdm=False)[0]
                 done += 1
                 agree += o.token_ids[:1] == r.token_ids[:1]
                 right += blend_tasks.correct(o.text or "", task)
