@@ -33,7 +33,8 @@ SYSTEM = (
 )
 RATIOS = [0.0, 0.05, 0.15, 0.3, 0.5, 1.0]
 # (metric, check layer, gradual layers) at 0.15; gradual: CacheBlend's gradual filtering, 2x the
-# ratio picked at the check layer, narrowed by K deviation over the next layers (engine/blend.py)
+# ratio picked at the check layer, narrowed by K deviation over the next layers
+# (engine/blend_forward.py)
 RULES = [("k", 1, 0), ("random", 1, 0), ("v", 1, 0), ("k", 2, 0), ("k", 3, 0)]
 RULES += [("k", 1, 2), ("k", 1, 4), ("v", 1, 4)]
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv.engine.blend import BlendParams, BlendReport, blend_forward
+from tierkv.engine.blend import BlendParams, BlendReport
+from tierkv.engine.blend_forward import blend_forward
 
 if TYPE_CHECKING:
     from tierkv.engine.block_manager import BlockManager
@@ -82,4 +83,5 @@ def blend_prefill(runner: ModelRunner, ctx: Context, seq: Sequence) -> torch.Ten
     runner.connector.wait_for_layer_load(0)
     st.report = BlendReport()
     loaded = runner.connector.get_loaded_ranges(seq.request_id)
-    return blend_forward(runner, ctx, st.params, loaded, seq.num_computed_tokens, st.report)
+    start = seq.num_computed_tokens
+    return blend_forward(runner, ctx, st.params, loaded, st.segments, start, st.report)

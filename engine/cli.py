@@ -67,6 +67,7 @@ def sampling(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         blend_ratio=getattr(args, "blend_ratio", None),
+        blend_rule=getattr(args, "blend_rule", None),
     )
 
 

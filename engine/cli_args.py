@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=knob_help(EngineConfig, "blend_ratio").replace("(default: ", "(default: engine's, "),
     )
+    b.add_argument(
+        "--blend-rule",
+        default=None,
+        help=knob_help(EngineConfig, "blend_rule").replace("(default: ", "(default: engine's, "),
+    )
     return p
 
 

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from tierkv.engine.blend import BlendParams
+from tierkv.engine.blend_rules import parse_rule
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -158,6 +161,26 @@ class EngineConfig:
     # picks 2x blend_ratio there and re-ranks the picked rows at each of the next g layers by
     # their K deviation at that layer, narrowing linearly to blend_ratio.
     blend_gradual: int = 0
+    # Which loaded rows a blend prefill recomputes: rule names joined by "+" (docs/cacheblend.md):
+    # "cacheblend" (K/V deviation at the check layer), "query_early" (the question's attention
+    # at the check layer), "query_late" (its attention at blend_query_layer from a question-only
+    # pass over the cached KV), "legolink" (each loaded segment's first tokens, alone or in a
+    # union with one ranking rule), "ape" (APE's attention over the still-cached context, alone
+    # or on top of any rule). SamplingParams.blend_rule overrides it per request.
+    blend_rule: str = "cacheblend"
+    # legolink: the first tokens of every loaded segment recomputed through every layer (where
+    # an independently encoded segment's false attention sink sits).
+    blend_sink_tokens: int = 16
+    # query_late: the layer whose question attention ranks the loaded rows; None = round(0.75 *
+    # the model's layers).
+    blend_query_layer: int | None = None
+    # query_early / query_late: a row's score is its attention from the question plus that of
+    # this many loaded rows on each side (a smoothed ranking keeps runs of tokens).
+    blend_query_smooth: int = 2
+    # ape: temperature T on the still-cached context block's logits (weights softmax(s/T)).
+    blend_ape_temperature: float = 0.9
+    # ape: scale S of the context block's log-mass, T * S * logsumexp(s/T), against the rest's.
+    blend_ape_scale: float = 0.9
     # Which rule a prompt in parts blends with when its request sets no blend_ratio: "auto" =
     # the model's calibration (`tierkv-engine calibrate-blend`, stored beside the model file);
     # without one, prompts in parts fall back to prefix reuse (no blend). "off" = the blend_*
@@ -165,6 +188,18 @@ class EngineConfig:
     blend_calibration: str = "auto"
 
     def __post_init__(self) -> None:
+        BlendParams(
+            self.blend_ratio,
+            self.blend_check_layer,
+            self.blend_metric,
+            self.blend_gradual,
+            parse_rule(self.blend_rule, "blend_rule"),
+            self.blend_sink_tokens,
+            self.blend_query_layer,
+            self.blend_query_smooth,
+            self.blend_ape_temperature,
+            self.blend_ape_scale,
+        )  # checks every blend knob, naming the bad one
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_dtype not in ("auto", "fp8"):

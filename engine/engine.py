@@ -67,6 +67,12 @@ class Engine:
         blend_check_layer: int = 1,
         blend_metric: str = "k",
         blend_gradual: int = 0,
+        blend_rule: str = "cacheblend",
+        blend_sink_tokens: int = 16,
+        blend_query_layer: int | None = None,
+        blend_query_smooth: int = 2,
+        blend_ape_temperature: float = 0.9,
+        blend_ape_scale: float = 0.9,
         matmul_dtype: str = "auto",
         eviction: str = "lru",
         workflow_prefetch: bool = True,
@@ -87,14 +93,18 @@ class Engine:
             blend_check_layer=blend_check_layer,
             blend_metric=blend_metric,
             blend_gradual=blend_gradual,
+            blend_rule=blend_rule,
+            blend_sink_tokens=blend_sink_tokens,
+            blend_query_layer=blend_query_layer,
+            blend_query_smooth=blend_query_smooth,
+            blend_ape_temperature=blend_ape_temperature,
+            blend_ape_scale=blend_ape_scale,
             matmul_dtype=matmul_dtype,
             eviction=eviction,
             workflow_prefetch=workflow_prefetch,
             block_prefetch=block_prefetch,
             blend_calibration=blend_calibration,
         )
-        # checks the global knobs now
-        BlendParams(blend_ratio, blend_check_layer, blend_metric, blend_gradual)
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed
         )

@@ -9,6 +9,7 @@ from typing import cast
 import torch
 
 from tierkv.engine.blend import BlendParams, PromptPart, join_parts
+from tierkv.engine.blend_rules import parse_rule
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.outputs import Request
 from tierkv.engine.sampling_params import SamplingParams
@@ -57,7 +58,19 @@ def new_seq(req: Request, index: int, seq_id: int, rng: torch.Generator) -> Sequ
 
 
 def blend_params(c: EngineConfig, params: SamplingParams) -> BlendParams:
-    """The engine's CacheBlend knobs, with the request's overrides."""
+    """The engine's blend knobs, with the request's overrides (rule, ratio, check layer)."""
     ratio = c.blend_ratio if params.blend_ratio is None else params.blend_ratio
     layer = c.blend_check_layer if params.blend_check_layer is None else params.blend_check_layer
-    return BlendParams(ratio, layer, c.blend_metric, c.blend_gradual)
+    rule = c.blend_rule if params.blend_rule is None else params.blend_rule
+    return BlendParams(
+        ratio,
+        layer,
+        c.blend_metric,
+        c.blend_gradual,
+        parse_rule(rule, "blend_rule"),
+        c.blend_sink_tokens,
+        c.blend_query_layer,
+        c.blend_query_smooth,
+        c.blend_ape_temperature,
+        c.blend_ape_scale,
+    )

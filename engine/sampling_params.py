@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tierkv.engine.blend_rules import parse_rule
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -23,6 +25,9 @@ class SamplingParams:
     blend_check_layer: int | None = (
         None  # segment prompts: the layer whose deviation ranks rows (None: engine's)
     )
+    # segment prompts: which loaded rows are recomputed, rule names joined by "+" (EngineConfig
+    # .blend_rule, docs/cacheblend.md); None: the engine's
+    blend_rule: str | None = None
     logprobs: int | None = None  # also record each sampled token's logprob and this many top ones
     # Tenant isolation: KV is shared (prefix cache, connector keys) only between requests with
     # the same salt; None shares with every unsalted request.
@@ -39,6 +44,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.blend_rule is not None:
+            parse_rule(self.blend_rule, "blend_rule")
+        if self.blend_check_layer is not None and self.blend_check_layer < 0:
+            raise ValueError(f"blend_check_layer must be >= 0, got {self.blend_check_layer}")
+        if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
+            raise ValueError(f"blend_ratio must be in [0, 1], got {self.blend_ratio}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 

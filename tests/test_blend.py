@@ -256,7 +256,8 @@ def test_corrupt_segment_is_computed_not_blended(ckpt) -> None:
 
 
 def test_random_rule_picks_a_seeded_share_of_the_rows() -> None:
-    from tierkv.engine.blend import BlendParams, random_rows
+    from tierkv.engine.blend import BlendParams
+    from tierkv.engine.blend_rules import random_rows
 
     rows = torch.arange(10, 110)
     a, b = random_rows(rows, 0.15), random_rows(rows, 0.15)

@@ -184,6 +184,10 @@ def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI) -> None:
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 999]}, "prompt"),
         ({"prompt": "w1", "presence_penalty": 1}, "presence_penalty"),
+        ({"prompt": "w1", "blend_rule": "cacheblend+query_late"}, "blend_rule"),
+        ({"prompt": "w1", "blend_rule": "nope"}, "blend_rule"),
+        ({"prompt": "w1", "blend_rule": 3}, "blend_rule"),
+        ({"prompt": "w1", "blend_ratio": 1.5}, "blend_ratio"),
         ({"prompt": " ".join(["w1"] * 600)}, None),  # longer than max_model_len
         ([1, 2], None),
     ],

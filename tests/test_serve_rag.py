@@ -52,6 +52,21 @@ def test_documents_are_reused_in_any_order(client: openai.OpenAI) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens >= 96 and src.get("cpu", 0) >= 96
 
 
+def test_blend_rule_per_request(client: openai.OpenAI) -> None:
+    """A rule and ratio in the body blend the documents their way; ratio 1.0 under any rule
+    answers as a full prefill does."""
+    ask(client, DOCS, "w40 w41")  # stores the documents
+    full = ask(client, DOCS[::-1], "w40 w41", blend_ratio=1.0, blend_rule="legolink+ape")
+    again = ask(client, DOCS[::-1], "w40 w41", blend_ratio=1.0)
+    assert full.choices[0].message.content == again.choices[0].message.content
+    for rule in ("legolink", "ape+query_late", "legolink+query_early"):
+        r = ask(client, DOCS[::-1], "w40 w41", blend_ratio=0.2, blend_rule=rule)
+        assert r.choices[0].message.content and r.usage.prompt_tokens_details.cached_tokens >= 96
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, DOCS, "w40", blend_rule="query_early+query_late")
+    assert e.value.body["param"] == "blend_rule" and "both rank" in e.value.body["message"]
+
+
 def test_cache_salt_separates_connector_keys(client: openai.OpenAI) -> None:
     # no documents and no prefix cache: what is cached comes from the connector's prefix keys
     msgs = [{"role": "user", "content": words(list(range(60, 100)))}]

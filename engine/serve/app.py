@@ -16,10 +16,11 @@ from tierkv.engine.llm import LLM
 from tierkv.engine.serve.cache_events import CacheEvents, start_events
 from tierkv.engine.serve.config import ServeConfig
 from tierkv.engine.serve.engine_loop import EngineLoop, Job, Overloaded, Update
+from tierkv.engine.serve.fields import APIError
 from tierkv.engine.serve.metrics import ServeMetrics
 from tierkv.engine.serve.output import Choice, Shaper, usage
 from tierkv.engine.serve.pd import FIELD, Handoff, Transfer, parse_transfer
-from tierkv.engine.serve.protocol import APIError, ParsedRequest, parse
+from tierkv.engine.serve.protocol import ParsedRequest, parse
 
 log = logging.getLogger("tierkv.engine.serve")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

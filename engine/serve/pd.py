@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.engine.serve.protocol import APIError
+from tierkv.engine.serve.fields import APIError
 
 log = logging.getLogger("tierkv.engine.serve")
 VERSION = 1

@@ -7,25 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.engine.blend import PromptPart
+from tierkv.engine.blend_rules import parse_rule
 from tierkv.engine.llm import LLM, Prompt
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.serve.config import ServeConfig
+from tierkv.engine.serve.fields import APIError, check, typed
 from tierkv.engine.tokenizer import Message
 from tierkv.storage_backends.hints import HintError, KVHint, parse_hint
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or {401: "authentication_error", 404: "not_found_error"}.get(
-            status, "invalid_request_error"
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
-        }
 
 
 @dataclass(slots=True)
@@ -40,40 +28,10 @@ class ParsedRequest:
     kv_hint: KVHint | None = None  # 'kv_hints' (tierkv's extension): the workflow step
 
 
-def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise APIError(400, f"'{name}' must be {_names(kinds)}, got a boolean", name)
-    if not isinstance(v, kinds):
-        raise APIError(400, f"'{name}' must be {_names(kinds)}, got {type(v).__name__}", name)
-    return v
-
-
-def _names(kinds: type | tuple[type, ...]) -> str:
-    ks = kinds if isinstance(kinds, tuple) else (kinds,)
-    return " or ".join(
-        {
-            "int": "an integer",
-            "float": "a number",
-            "str": "a string",
-            "bool": "a boolean",
-            "list": "an array",
-        }.get(k.__name__, k.__name__)
-        for k in ks
-    )
-
-
-def _check(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise APIError(400, message, param)
-
-
 def parse(body: Any, chat: bool, llm: LLM, cfg: ServeConfig) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    model = _typed(body, "model", str, cfg.model_name)
+    model = typed(body, "model", str, cfg.model_name)
     if model != cfg.model_name:
         raise APIError(
             404,
@@ -81,56 +39,57 @@ def parse(body: Any, chat: bool, llm: LLM, cfg: ServeConfig) -> ParsedRequest:
             "model",
             "model_not_found",
         )
-    temperature = float(_typed(body, "temperature", (int, float), 1.0))
-    _check(0.0 <= temperature <= 2.0, "'temperature' must be in [0, 2]", "temperature")
-    top_p = float(_typed(body, "top_p", (int, float), 1.0))
-    _check(0.0 < top_p <= 1.0, "'top_p' must be in (0, 1]", "top_p")
-    top_k = _typed(body, "top_k", int, 0)  # vLLM's extension
-    _check(top_k >= 0 or top_k == -1, "'top_k' must be >= 0 (or -1: off)", "top_k")
-    n = _typed(body, "n", int, 1)
-    _check(1 <= n <= cfg.max_n, f"'n' must be in [1, {cfg.max_n}]", "n")
-    seed = _typed(body, "seed", int, None)
+    temperature = float(typed(body, "temperature", (int, float), 1.0))
+    check(0.0 <= temperature <= 2.0, "'temperature' must be in [0, 2]", "temperature")
+    top_p = float(typed(body, "top_p", (int, float), 1.0))
+    check(0.0 < top_p <= 1.0, "'top_p' must be in (0, 1]", "top_p")
+    top_k = typed(body, "top_k", int, 0)  # vLLM's extension
+    check(top_k >= 0 or top_k == -1, "'top_k' must be >= 0 (or -1: off)", "top_k")
+    n = typed(body, "n", int, 1)
+    check(1 <= n <= cfg.max_n, f"'n' must be in [1, {cfg.max_n}]", "n")
+    seed = typed(body, "seed", int, None)
     default = cfg.default_chat_max_tokens if chat else cfg.default_max_tokens
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _typed(body, name, int, default)
-    _check(max_tokens >= 1, f"'{name}' must be >= 1", name)
+    max_tokens = typed(body, name, int, default)
+    check(max_tokens >= 1, f"'{name}' must be >= 1", name)
     for pen in ("presence_penalty", "frequency_penalty"):
-        _check(_typed(body, pen, (int, float), 0) == 0, f"'{pen}' is not supported (only 0)", pen)
-    _check(_typed(body, "best_of", int, n) == n, "'best_of' is not supported", "best_of")
-    _check(not _typed(body, "echo", bool, False), "'echo' is not supported", "echo")
-    stop = _typed(body, "stop", (str, list), [])
+        check(typed(body, pen, (int, float), 0) == 0, f"'{pen}' is not supported (only 0)", pen)
+    check(typed(body, "best_of", int, n) == n, "'best_of' is not supported", "best_of")
+    check(not typed(body, "echo", bool, False), "'echo' is not supported", "echo")
+    stop = typed(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
-    _check(
+    check(
         len(stop) <= 4 and all(isinstance(s, str) and s for s in stop),
         "'stop' must be a non-empty string or an array of at most 4 of them",
         "stop",
     )
-    stream = _typed(body, "stream", bool, False)
-    opts = _typed(body, "stream_options", dict, {})
+    stream = typed(body, "stream", bool, False)
+    opts = typed(body, "stream_options", dict, {})
     include_usage = bool(opts.get("include_usage", False))
     if chat:
-        want = _typed(body, "logprobs", bool, False)
-        top = _typed(body, "top_logprobs", int, 0)
-        _check(
+        want = typed(body, "logprobs", bool, False)
+        top = typed(body, "top_logprobs", int, 0)
+        check(
             0 <= top <= cfg.max_logprobs,
             f"'top_logprobs' must be in [0, {cfg.max_logprobs}]",
             "top_logprobs",
         )
-        _check(want or not top, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        check(want or not top, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         logprobs = top if want else None
     else:
-        logprobs = _typed(body, "logprobs", int, None)
-        _check(
+        logprobs = typed(body, "logprobs", int, None)
+        check(
             logprobs is None or 0 <= logprobs <= cfg.max_logprobs,
             f"'logprobs' must be in [0, {cfg.max_logprobs}]",
             "logprobs",
         )
-    salt = _typed(body, "cache_salt", str, None)
-    _check(
+    salt = typed(body, "cache_salt", str, None)
+    check(
         salt is None or 0 < len(salt) <= 256,
         "'cache_salt' must hold 1-256 characters",
         "cache_salt",
     )
+    ratio, rule = blend_knobs(body)
     params = SamplingParams(
         temperature=temperature,
         top_k=max(top_k, 0),
@@ -138,15 +97,31 @@ def parse(body: Any, chat: bool, llm: LLM, cfg: ServeConfig) -> ParsedRequest:
         max_tokens=max_tokens,
         seed=seed,
         n=n,
-        ignore_eos=_typed(body, "ignore_eos", bool, False),
+        ignore_eos=typed(body, "ignore_eos", bool, False),
         logprobs=logprobs,
         cache_salt=salt,
+        blend_ratio=ratio,
+        blend_rule=rule,
     )
     hint = kv_hint(body)
     prompts = [chat_prompt(body, llm)] if chat else completion_prompts(body, llm)
     return ParsedRequest(
         chat, prompts, params, stream, include_usage, stop, logprobs is not None, hint
     )
+
+
+def blend_knobs(body: dict[str, Any]) -> tuple[float | None, str | None]:
+    """'blend_ratio' and 'blend_rule' (tierkv's extensions): how a request with 'documents'
+    blends them (None: the engine's); a bad one is a 400 naming it."""
+    ratio = typed(body, "blend_ratio", (int, float), None)
+    check(ratio is None or 0.0 <= ratio <= 1.0, "'blend_ratio' must be in [0, 1]", "blend_ratio")
+    rule = typed(body, "blend_rule", str, None)
+    if rule is not None:
+        try:
+            parse_rule(rule, "blend_rule")
+        except ValueError as e:
+            raise APIError(400, f"'blend_rule' is malformed: {e}", "blend_rule") from None
+    return None if ratio is None else float(ratio), rule
 
 
 def kv_hint(body: dict[str, Any]) -> KVHint | None:
@@ -237,7 +212,7 @@ def chat_prompt(body: dict[str, Any], llm: LLM) -> Prompt:
     if tok is None or tok.chat_template is None:
         raise APIError(400, "this model has no chat template: use /v1/completions")
     msgs = messages_of(body)
-    docs = _typed(body, "documents", list, [])
+    docs = typed(body, "documents", list, [])
     if not all(isinstance(d, str) and d for d in docs):
         raise APIError(400, "'documents' must be an array of non-empty strings", "documents")
     try:
