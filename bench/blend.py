@@ -177,23 +177,10 @@ def main() -> None:
     p = add_model_arg(parser(__doc__))
     p.add_argument("--task", action="store_true", help="task accuracy of the blend rules")
     args = p.parse_args()
-    if args.task:
-        from bench import blend_task
+    if args.task or args.model == "smollm2":
+        from bench import blend_quality, blend_task
 
-        return blend_task.main(args.quick)
-    if args.model == "smollm2":
-        from bench import blend_quality
-
-        rows, per, config = blend_quality.run(args.quick)
-        print_table(rows)
-        write_results(
-            "blend_smollm2",
-            config,
-            rows,
-            blend_quality.goals_of(rows),
-            lambda ax: blend_quality.plot(ax, rows),
-        )
-        return
+        return (blend_task if args.task else blend_quality).main(args.quick)
     queries = 2 if args.quick else 5
     g = torch.Generator().manual_seed(5)
     vocab = RANDOM_CONFIGS["bench"]["vocab_size"]
