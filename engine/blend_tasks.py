@@ -13,6 +13,7 @@ picks a model's rule from a sample of it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pydoc
 import random
 import re
@@ -26,9 +27,9 @@ from tierkv.engine.blend import PromptPart
 MODULES = (
     "zlib textwrap heapq bisect pickle gzip bz2 lzma tarfile zipfile calendar colorsys difflib "
     "fnmatch shutil secrets base64 binascii csv fractions hashlib hmac imaplib ftplib poplib "
-    "smtplib tempfile wave sched shlex struct reprlib statistics uuid json html quopri uu "
+    "smtplib tempfile wave sched shlex struct reprlib statistics uuid json html quopri "
     "netrc plistlib configparser filecmp gettext locale pprint tokenize keyword codeop stat "
-    "errno select mmap resource sre_constants"
+    "errno select mmap resource"
 ).split()
 SYSTEM = (
     "You answer questions about Python's standard library from the documentation below. "
@@ -126,9 +127,10 @@ def tasks(
     """n questions, each over docs_per[i % len] documents in a seeded shuffled order, documents
     cut to `budget` tokens (count(text) tokens), deterministic for a seed and a Python."""
     rng = random.Random(seed)
-    pages = {m: page(m) for m in MODULES}
-    tops = {m: cut(pages[m], count, budget) for m in MODULES}
-    pool = [f for m in MODULES for f in facts(m, pages[m])]
+    mods = [m for m in MODULES if importlib.util.find_spec(m) is not None]  # this platform's
+    pages = {m: page(m) for m in mods}
+    tops = {m: cut(pages[m], count, budget) for m in mods}
+    pool = [f for m in mods for f in facts(m, pages[m])]
     rng.shuffle(pool)
     out: list[Task] = []
     per: dict[str, int] = {}
@@ -142,7 +144,7 @@ def tasks(
             continue
         others = [
             m
-            for m in MODULES
+            for m in mods
             if m != f.module and not holds(tops[m], f.answer) and f.name not in tops[m]
         ]
         k = docs_per[len(out) % len(docs_per)]
