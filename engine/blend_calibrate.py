@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tierkv.engine import blend_tasks
-from tierkv.engine.blend_gate import BASE_RULE, Calibration, Trial, accepts, entry, model_digest
+from tierkv.engine.blend_gate import Calibration, Trial, accepts, entry, model_digest
 from tierkv.engine.llm import LLM
 from tierkv.engine.models import resolve
 from tierkv.engine.sampling_params import SamplingParams
@@ -63,12 +63,9 @@ def candidates(cfg: CalibrateConfig) -> list[tuple[str, float]]:
 
 
 def params_of(rule: str, ratio: float, max_tokens: int) -> SamplingParams:
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, blend_ratio=ratio)
-    if hasattr(sp, "blend_rule"):  # candidates() keeps other rules only where it exists
-        sp.blend_rule = rule  # type: ignore[attr-defined]
-    elif rule != BASE_RULE:
-        raise ValueError(f"rule {rule!r} is not one this engine knows")
-    return sp
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, blend_ratio=ratio, blend_rule=rule
+    )
 
 
 def calibrate(

@@ -184,8 +184,8 @@ def accepts(rule: str) -> bool:
     if rule == BASE_RULE:
         return True
     try:
-        SamplingParams(blend_rule=rule)  # type: ignore[call-arg]
-    except (TypeError, ValueError):
+        SamplingParams(blend_rule=rule)
+    except ValueError:
         return False
     return True
 
@@ -225,19 +225,14 @@ class BlendGate:
         self, config: EngineConfig, params: SamplingParams
     ) -> tuple[BlendParams | None, str]:
         """A prompt in parts' blend parameters (None: prefix reuse) and its usage label."""
-        if params.blend_ratio is None and getattr(params, "blend_rule", None) is None:
-            if self.mode != "off":
-                cal = self.calibration
-                if cal is None or cal.rule is None or cal.ratio is None:
-                    self.fallback()
-                    return None, UNCALIBRATED
-                chosen: dict[str, Any] = {"blend_ratio": cal.ratio}
-                if hasattr(params, "blend_rule"):  # checked at start: a rule the engine knows
-                    chosen["blend_rule"] = cal.rule
-                params = replace(params, **chosen)
+        if params.blend_ratio is None and params.blend_rule is None and self.mode != "off":
+            cal = self.calibration
+            if cal is None or cal.rule is None or cal.ratio is None:
+                self.fallback()
+                return None, UNCALIBRATED
+            params = replace(params, blend_ratio=cal.ratio, blend_rule=cal.rule)
         bp = blend_params(config, params)
-        rule = getattr(params, "blend_rule", None) or getattr(config, "blend_rule", None)
-        return bp, label(rule or BASE_RULE, bp.ratio)
+        return bp, label(params.blend_rule or config.blend_rule, bp.ratio)
 
     def fallback(self) -> None:
         """Log, once, that prompts in parts run as plain prompts (prefix reuse)."""
