@@ -83,9 +83,9 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     encode = lambda s: tok.encode(s, add_special_tokens=False)
     count = lambda s: len(encode(s))
     budget = 160 if quick else 250
-    tasks = blend_tasks.tasks(count, 4 if quick else 60, DOCS_PER, budget, seed=0)
-    tasks += demo_tasks(count, 1 if quick else 2)[: 2 if quick else None]
-    ratios = (0.0, 0.15) if quick else RATIOS
+    tasks = blend_tasks.tasks(count, 3 if quick else 60, DOCS_PER, budget, seed=0)
+    tasks += demo_tasks(count, 1 if quick else 2)[: 1 if quick else None]
+    ratios = (0.15,) if quick else RATIOS
     pairs = [(r, x) for r in rules() for x in ratios]
     full_rec, blend_rec = First(full), First(blend)
     per: list[dict[str, Any]] = []
