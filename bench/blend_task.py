@@ -163,10 +163,16 @@ def _mean(xs: list[Any]) -> float | None:
 
 
 def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Accuracy per rule over the ratio (solid), and the first token's KL (dotted, right axis):
+    rules that answer alike still differ in how far they drift."""
     full = next(r for r in rows if r["rule"] == "full prefill")
+    kl = ax.twinx()
     for rule in dict.fromkeys(r["rule"] for r in rows if r["rule"] != "full prefill"):
-        pts = sorted((r["ratio"], r["accuracy"]) for r in rows if r["rule"] == rule)
-        ax.plot(*zip(*pts), marker="o", label=rule)
+        sel = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["ratio"])
+        (line,) = ax.plot([r["ratio"] for r in sel], [r["accuracy"] for r in sel], marker="o")
+        line.set_label(rule)
+        kl.plot([r["ratio"] for r in sel], [r["kl"] for r in sel], ":", color=line.get_color())
+    kl.set_ylabel("KL(full || blend), first token (dotted)")
     ax.axhline(full["accuracy"], color="k", linestyle="--", label="full prefill")
     ax.set_xlabel("blend ratio")
     ax.set_ylabel("accuracy (answer holds the documented value)")
