@@ -200,7 +200,9 @@ def show(rows: list[dict[str, Any]]) -> None:
                 f" {'yes' if r['right'] else 'no':<5} {same:<5} {r['from'] or '-'}"
             )
         rule = next(r["rule"] for r in rs if r["way"] == "calibrated")
-        print(f"    calibrated: {rule}" + (" (prefix reuse, no blend)" if "@" not in rule else ""))
+        # uncalibrated: the plain prompt, whose prefix chunks "prefix only" just stored
+        plain = " (prefix reuse of the tokens 'prefix only' just stored, no blend)"
+        print(f"    calibrated: {rule}" + (plain if "@" not in rule else ""))
         for r in rs:
             print(
                 textwrap.fill(f"    {r['way']:<12} {r['answer']}", 100, subsequent_indent=" " * 17)
