@@ -132,6 +132,8 @@ def blend_forward(
         reads the cache before it is written; the query rules after)."""
         conn.wait_for_layer_load(c)
         rows = torch.nonzero(cand).flatten()
+        if params.ratio == 1.0:  # every loaded row, whatever the ranking
+            return cand.clone()
         if rule.rank == "query_late":
             return top_attended(late, cand, params.ratio, params.smooth)
         if rule.rank == "query_early":  # fresh K/V first (runner.store saves it after)
@@ -162,7 +164,7 @@ def blend_forward(
 
     st, written, late = kept(torch.nonzero(fixed).flatten()), fixed, torch.zeros(0)
     gradual = params.gradual if rule.rank == "cacheblend" and params.metric != "random" else 0
-    if rule.rank == "query_late" and params.ratio > 0.0:
+    if rule.rank == "query_late" and 0.0 < params.ratio < 1.0:
         late = late_mass()
     if rule.rank is None or params.ratio == 0.0:  # only the fixed rows, from layer 0
         st, written, first, gradual = kept(torch.nonzero(fixed).flatten()), fixed, 0, 0

@@ -216,3 +216,30 @@ def test_unit_ape_after_a_declared_prefix_is_the_rule_alone(ckpt, conn, rule: st
     llm.config.blend_ape_temperature = 0.5  # APE does run: another temperature differs
     hot = first_logits(llm, with_prefix(SYS_A, ORDER), params)[0]
     assert not torch.allclose(hot, out[rule][0], rtol=1e-3, atol=1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    names=hs.lists(
+        hs.sampled_from(["cacheblend", "query_early", "query_late", "legolink", "ape"]),
+        min_size=1,
+        max_size=4,
+    ),
+    pad=hs.sampled_from(["", " "]),
+)
+def test_rule_specs_parse_in_any_order(names: list[str], pad: str) -> None:
+    """A spec is a set of names: any order parses to the same rule, and its canonical spec
+    parses back to it; a repeated name or two ranking rules are refused, naming the field."""
+    spec = (pad + "+" + pad).join(names)
+    ranks = [n for n in names if n not in ("legolink", "ape")]
+    if len(set(names)) != len(names) or len(ranks) > 1:
+        with pytest.raises(ValueError, match="blend_rule"):
+            parse_rule(spec)
+        return
+    rule = parse_rule(spec)
+    assert rule == parse_rule("+".join(reversed(names))) == parse_rule(rule.spec)
+    assert (rule.rank, rule.sinks, rule.ape) == (
+        ranks[0] if ranks else None,
+        "legolink" in names,
+        "ape" in names,
+    )
