@@ -5,9 +5,10 @@ and a 32-token question, documents shuffled per query; on the 8-layer bench mode
 distribution, agreement of 32 greedy tokens) for blend ratios 0..1 on 2-8 documents, also with
 the first document declared the shared prefix (the others computed after it).
 
-    python -m bench.blend [--quick] [--model bench|smollm2]
+    python -m bench.blend [--quick] [--model bench|smollm2] [--task]
 
-With --model smollm2, CacheBlend's quality on a trained model instead (bench/blend_quality.py).
+With --model smollm2, CacheBlend's quality on a trained model instead (bench/blend_quality.py);
+with --task, the blend rules' task accuracy on SmolLM2 (bench/blend_task.py).
 """
 
 from __future__ import annotations
@@ -177,20 +178,13 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
 
 
 def main() -> None:
-    args = add_model_arg(parser(__doc__)).parse_args()
-    if args.model == "smollm2":
-        from bench import blend_quality
+    p = add_model_arg(parser(__doc__))
+    p.add_argument("--task", action="store_true", help="task accuracy of the blend rules")
+    args = p.parse_args()
+    if args.task or args.model == "smollm2":
+        from bench import blend_quality, blend_task
 
-        rows, per, config = blend_quality.run(args.quick)
-        print_table(rows)
-        write_results(
-            "blend_smollm2",
-            config,
-            rows,
-            blend_quality.goals_of(rows),
-            lambda ax: blend_quality.plot(ax, rows),
-        )
-        return
+        return (blend_task if args.task else blend_quality).main(args.quick)
     queries = 2 if args.quick else 5
     g = torch.Generator().manual_seed(5)
     vocab = RANDOM_CONFIGS["bench"]["vocab_size"]

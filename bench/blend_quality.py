@@ -212,3 +212,11 @@ def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.set_xlabel("blend ratio")
     ax.set_ylabel("KL(full prefill || blend), next token")
     ax.legend(fontsize=7)
+
+
+def main(quick: bool) -> None:
+    from bench.common import print_table, write_results
+
+    rows, _, config = run(quick)
+    print_table(rows)
+    write_results("blend_smollm2", config, rows, goals_of(rows), lambda ax: plot(ax, rows))

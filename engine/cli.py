@@ -54,6 +54,7 @@ def make_llm(args: argparse.Namespace, conn: Any) -> LLM:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         eviction=args.eviction,
+        blend_calibration=args.blend_calibration,
     )
 
 
@@ -128,6 +129,34 @@ def chat(llm: LLM, args: argparse.Namespace) -> None:
         )
 
 
+def calibrate(args: argparse.Namespace) -> int:
+    """Run calibrate-blend and print what it chose and where it wrote it."""
+    from tierkv.engine.blend_calibrate import CalibrateConfig
+    from tierkv.engine.blend_calibrate import calibrate as run
+
+    cfg = CalibrateConfig(
+        questions=args.questions,
+        min_agreement=args.min_agreement,
+        min_relative_accuracy=args.min_relative_accuracy,
+        ratios=args.ratios,
+        rules=args.rules,
+        dtype=args.dtype,
+        doc_tokens=args.doc_tokens,
+        docs_per=args.docs_per,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    cal, path = run(args.model, cfg, Path(args.out) if args.out else None)
+    for t in cal.trials:
+        print(
+            f"{t.rule}@{t.ratio:g}: first token agrees {t.first_token_agreement:.0%}, "
+            f"accuracy {t.accuracy:.0%} of {t.questions} questions{' (met)' if t.met else ''}"
+        )
+    print(f"full prefill accuracy {cal.full_accuracy:.0%}; chosen: {cal.label}")
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     conn = None
@@ -135,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "pull":
             print(pull(args.name, Path(args.dir) if args.dir else None))
             return 0
+        if args.cmd == "calibrate-blend":
+            return calibrate(args)
         prompts = prompts_of(args) if args.cmd == "generate" else []
         conn = make_connector(args)
         llm = make_llm(args, conn)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from tierkv.connector.config import ConnectorConfig
 from tierkv.engine.config import RANDOM_CONFIGS, EngineConfig
@@ -65,6 +66,11 @@ def engine_options() -> argparse.ArgumentParser:
         choices=("lru", "hinted"),
         default=knob_default(ec, "eviction"),
         help=knob_help(ec, "eviction"),
+    )
+    g.add_argument(
+        "--blend-calibration",
+        default=knob_default(ec, "blend_calibration"),
+        help=knob_help(ec, "blend_calibration"),
     )
     c = g.add_argument_group("KV connector (tierkv tiers)")
     c.add_argument(
@@ -137,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cache directory (default: $TIERKV_MODEL_DIR, else ~/.cache/tierkv/models)",
     )
+    add_calibrate(sub)
     b = g.add_argument_group("any-position reuse (CacheBlend)")
     b.add_argument(
         "--system",
@@ -170,3 +177,47 @@ def build_parser() -> argparse.ArgumentParser:
         help=knob_help(EngineConfig, "blend_rule").replace("(default: ", "(default: engine's, "),
     )
     return p
+
+
+def add_calibrate(sub: Any) -> None:
+    """`calibrate-blend`: the knobs of CalibrateConfig (engine/blend_calibrate.py)."""
+    from tierkv.engine.blend_calibrate import CalibrateConfig
+
+    cc, d = CalibrateConfig, CalibrateConfig()
+    c = sub.add_parser(
+        "calibrate-blend",
+        help="measure blend rules on the model and store the cheapest that meets the target "
+        "beside the model file, for serve and LLM (docs/cacheblend.md)",
+    )
+    c.add_argument(
+        "--model",
+        required=True,
+        help="the model to calibrate: a .gguf file, a checkpoint directory or a pulled name "
+        "(required)",
+    )
+    c.add_argument("--questions", type=int, default=d.questions, help=knob_help(cc, "questions"))
+    c.add_argument(
+        "--min-agreement", type=float, default=d.min_agreement, help=knob_help(cc, "min_agreement")
+    )
+    c.add_argument(
+        "--min-relative-accuracy",
+        type=float,
+        default=d.min_relative_accuracy,
+        help=knob_help(cc, "min_relative_accuracy"),
+    )
+    floats = lambda s: tuple(float(x) for x in s.split(",") if x.strip())
+    words = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())
+    c.add_argument("--ratios", type=floats, default=d.ratios, help=knob_help(cc, "ratios"))
+    c.add_argument("--rules", type=words, default=d.rules, help=knob_help(cc, "rules"))
+    c.add_argument("--dtype", default=d.dtype, help=knob_help(cc, "dtype"))
+    c.add_argument("--doc-tokens", type=int, default=d.doc_tokens, help=knob_help(cc, "doc_tokens"))
+    c.add_argument("--docs-per", type=ints, default=d.docs_per, help=knob_help(cc, "docs_per"))
+    c.add_argument("--max-tokens", type=int, default=d.max_tokens, help=knob_help(cc, "max_tokens"))
+    c.add_argument("--seed", type=int, default=d.seed, help=knob_help(cc, "seed"))
+    c.add_argument(
+        "--out",
+        default=None,
+        help="where to write the calibration (default: the model's cache entry, "
+        "blend-<sha256>.json beside the model file)",
+    )

@@ -195,6 +195,11 @@ class EngineConfig:
     # stored under its own keys. A declared prefix's parts are encoded after it either way.
     # Standalone is the default: on SmolLM2 the preamble deviated more (docs/cacheblend.md).
     blend_encoding: str = "standalone"
+    # Which rule a prompt in parts blends with when its request sets no blend_ratio: "auto" =
+    # the model's calibration (`tierkv-engine calibrate-blend`, stored beside the model file);
+    # without one, prompts in parts fall back to prefix reuse (no blend). "off" = the blend_*
+    # knobs above. A path = that calibration file (refused if it is another model's).
+    blend_calibration: str = "auto"
 
     def __post_init__(self) -> None:
         BlendParams(
@@ -235,5 +240,7 @@ class EngineConfig:
             )
         if self.block_prefetch < 0:
             raise ValueError(f"block_prefetch must be >= 0, got {self.block_prefetch}")
+        if not self.blend_calibration:
+            raise ValueError("blend_calibration must be 'auto', 'off' or a file path")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")

@@ -11,15 +11,18 @@ from typing import Any
 
 import torch
 
+from tierkv.engine.blend import BlendParams
+from tierkv.engine.blend_gate import BlendGate
 from tierkv.engine.blend_step import BlendState
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.block_prefetch import BlockPrefetch
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.encoding import preamble
-from tierkv.engine.intake import Prompt, blend_params, new_seq, prompt_tokens
+from tierkv.engine.intake import Prompt, new_seq, prompt_tokens
 from tierkv.engine.kv_connector import KVConnector, NoOpConnector
 from tierkv.engine.loader import load_model
 from tierkv.engine.model_runner import ModelRunner
+from tierkv.engine.models import resolve
 from tierkv.engine.outputs import EngineStats, Request, RequestOutput
 from tierkv.engine.sampler import sample_step
 from tierkv.engine.sampling_params import SamplingParams
@@ -78,6 +81,7 @@ class Engine:
         prefill_mode: str = "chunked",
         layer_groups: int = 0,
         blend_encoding: str = "standalone",
+        blend_calibration: str = "auto",
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -106,6 +110,7 @@ class Engine:
             prefill_mode=prefill_mode,
             layer_groups=layer_groups,
             blend_encoding=blend_encoding,
+            blend_calibration=blend_calibration,
         )
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed
@@ -113,6 +118,9 @@ class Engine:
         # the tokens a reusable part without a declared prefix is encoded after; () standalone
         self.segment_preamble = (
             preamble(self.tokenizer) if self.config.blend_encoding == "preamble" else ()
+        )
+        self.blend_gate = BlendGate.open(
+            blend_calibration, resolve(model) if isinstance(model, str) else model
         )
         self.device = torch.device(device)
         self.connector = kv_connector or NoOpConnector()
@@ -191,9 +199,10 @@ class Engine:
         seq = self._new_seq(req, 0)
         seq.kv_hint = kv_hint
         if spans is not None and self.supports_segments:
-            pre = () if prefix_len else self.segment_preamble
-            params_ = blend_params(self.config, params)
-            seq.blend = BlendState(spans, prefix_len, params_, preamble=pre)
+            blend, seq.metrics.blend_rule = self.blend_choice(params)
+            if blend is not None:  # else prefix reuse: the plain prompt of its tokens
+                pre = () if prefix_len else self.segment_preamble
+                seq.blend = BlendState(spans, prefix_len, blend, preamble=pre)
         self.scheduler.add(seq)
         self.requests[rid] = req
         seq.metrics.arrival_time = time.perf_counter()
@@ -270,8 +279,15 @@ class Engine:
         """Sample `index` of seq's request (n > 1), hinted as seq is."""
         child = self._new_seq(self.requests[seq.group], index)
         child.kv_hint = seq.kv_hint
+        child.metrics.blend_rule = seq.metrics.blend_rule
         return child
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
         self._next_id += 1
         return new_seq(req, index, self._next_id - 1, self._rng)
+
+    def blend_choice(self, params: SamplingParams) -> tuple[BlendParams | None, str]:
+        """How a prompt in parts with these params runs: its blend parameters, or None for
+        prefix reuse (no calibration met its target), and the label its usage shows
+        (engine/blend_gate.py)."""
+        return self.blend_gate.choose(self.config, params)

@@ -69,17 +69,17 @@ class LLM(Engine):
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
-        segmented = [
-            (cast("list[PromptPart]", p), sp) for p, sp in zip(batch, plist) if is_parts(p)
+        # the prompts that blend; the others (no calibration) are the plain prompt of their tokens
+        at = [
+            i
+            for i, (p, sp) in enumerate(zip(batch, plist))
+            if is_parts(p) and self.supports_segments and self.blend_choice(sp)[0] is not None
         ]
-        held = iter(
-            self.store_parts([p for p, _ in segmented], [sp.cache_salt for _, sp in segmented])
-            if self.supports_segments
-            else []
-        )
+        parts = [cast("list[PromptPart]", batch[i]) for i in at]
+        held = dict(zip(at, self.store_parts(parts, [plist[i].cache_salt for i in at])))
         reqs = [self.add_request(None, p, sp, h) for p, sp, h in zip(batch, plist, hints)]
-        for p, req in zip(batch, reqs):
-            if is_parts(p) and self.supports_segments and not next(held):
+        for i, req in enumerate(reqs):
+            if not held.get(i, True):  # none of its segments stored: a plain prefill
                 plain_prefill(req)
         bar = tqdm(total=sum(sp.n for sp in plist), desc="generate", disable=not use_tqdm)
         finished = 0

@@ -47,6 +47,7 @@ class RequestMetrics:
     blend: dict[str, Any] = field(
         default_factory=dict
     )  # a blend prefill's report (loaded, recomputed, ...)
+    blend_rule: str = ""  # a prompt in parts: "cacheblend@0.15", or "uncalibrated" (no blend)
 
 
 @dataclass(slots=True)
@@ -108,6 +109,7 @@ class Request:
                 m.num_preemptions,
                 m.connector,
                 report,
+                m.blend_rule,
             )
             outs.append(Completion(s.output_ids, text, s.finish_reason or "length", metrics))
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs)

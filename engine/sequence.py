@@ -32,6 +32,9 @@ class SeqMetrics:
     num_external_tokens: int = 0  # loaded through the connector
     num_computed_tokens: int = 0  # run through the model, recomputation included
     num_preemptions: int = 0
+    # a prompt in parts: the rule it blended with ("cacheblend@0.15"), or "uncalibrated" (it
+    # ran as a plain prompt: prefix reuse); "" for a plain prompt
+    blend_rule: str = ""
     connector: dict = field(
         default_factory=dict
     )  # what the connector reports (tokens per tier, ...)

@@ -7,10 +7,12 @@ tierkv-server (`make demo`).
    server under its position-free segment key; A also answers one question over all six in
    their original order, as plain token ids, which stores that prompt's prefix chunks;
 3. process B (another interpreter, empty local cache) answers questions over 2-4 documents in
-   other orders and combinations, four ways: full prefill (an engine without a connector),
+   other orders and combinations, five ways: full prefill (an engine without a connector),
    prefix reuse only (the prompt as plain token ids: only exact prefixes hit), blend (CacheBlend
-   at ratio 0.15: each document's KV loaded wherever it sits, 15% of it recomputed) and blend at
-   ratio 1.0 (everything recomputed: its answer must equal full prefill's);
+   at ratio 0.15: each document's KV loaded wherever it sits, 15% of it recomputed), the
+   calibrated rule (the prompt in parts with no ratio given: the rule `tierkv-engine
+   calibrate-blend --model smollm2` stored for the model, else prefix reuse, "uncalibrated")
+   and blend at ratio 1.0 (everything recomputed: its answer must equal full prefill's);
 4. prints each question's answers, TTFT and tokens loaded and recomputed; writes
    bench/results/rag_demo.json and .png; stops the server.
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from tierkv.engine import LLM, PromptPart, RequestOutput
 
 DTYPE, MAX_TOKENS, CHUNK, BLEND = "fp32", 48, 64, 0.15
-WAYS = ("full prefill", "prefix only", f"blend {BLEND}", "blend 1.0")
+WAYS = ("full prefill", "prefix only", f"blend {BLEND}", "calibrated", "blend 1.0")
 
 
 def say(msg: str) -> None:
@@ -118,6 +120,7 @@ def row(
         "cached": m.cached_tokens,
         "from": ",".join(f"{k}:{v}" for k, v in m.connector.get("loaded_tokens", {}).items()),
         "blend": m.blend,
+        "rule": m.blend_rule,  # a prompt in parts: the rule it blended with, or "uncalibrated"
         "answer": " ".join(text.split()),
         "right": question.expect in text.lower(),
         "same_as_full": out.token_ids == ref.token_ids,
@@ -137,7 +140,7 @@ def process_b(target: str) -> None:
         say(f"process B: question {q}/{len(QUESTIONS)}, {len(corpus.flat(question))} tokens")
         ref = ask(cold, corpus.flat(question))
         outs = [ref, ask(llm, corpus.flat(question))]
-        outs += [ask(llm, corpus.parts(question), ratio) for ratio in (BLEND, 1.0)]
+        outs += [ask(llm, corpus.parts(question), ratio) for ratio in (BLEND, None, 1.0)]
         rows += [row(q, question, way, out, ref) for way, out in zip(WAYS, outs)]
     conn.close()
     print(json.dumps(rows))
@@ -196,6 +199,10 @@ def show(rows: list[dict[str, Any]]) -> None:
                 f"    {r['way']:<12} {r['ttft_s']:>5.2f}s {r['loaded']:>6} {r['recomputed']:>6}"
                 f" {'yes' if r['right'] else 'no':<5} {same:<5} {r['from'] or '-'}"
             )
+        rule = next(r["rule"] for r in rs if r["way"] == "calibrated")
+        # uncalibrated: the plain prompt, whose prefix chunks "prefix only" just stored
+        plain = " (prefix reuse of the tokens 'prefix only' just stored, no blend)"
+        print(f"    calibrated: {rule}" + (plain if "@" not in rule else ""))
         for r in rs:
             print(
                 textwrap.fill(f"    {r['way']:<12} {r['answer']}", 100, subsequent_indent=" " * 17)
@@ -221,9 +228,9 @@ def summary(rows: list[dict[str, Any]]) -> float:
 def draw(rows: list[dict[str, Any]]) -> Any:
     def plot(ax: Any) -> None:
         qs = sorted({r["q"] for r in rows})
-        for j, way in enumerate(WAYS[:3]):
+        for j, way in enumerate(WAYS[:4]):
             ttft = [next(r["ttft_s"] for r in rows if (r["q"], r["way"]) == (q, way)) for q in qs]
-            ax.bar([q + (j - 1) * 0.27 for q in qs], ttft, 0.27, label=way)
+            ax.bar([q + (j - 1.5) * 0.2 for q in qs], ttft, 0.2, label=way)
         tokens = {r["q"]: r["tokens"] for r in rows}
         ax.set_xticks(qs, [f"Q{q}\n{tokens[q]} tokens" for q in qs])
         ax.set_ylabel("TTFT (s)")

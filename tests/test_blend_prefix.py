@@ -68,6 +68,7 @@ def test_declared_prefix_from_the_prefix_cache(ckpt, conn) -> None:
         kv_cache_bytes=16 << 20,
         kv_connector=conn,
         blend_encoding="standalone",
+        blend_calibration="off",
     )
     got, _, m = first_logits(llm, with_prefix(SYS_A, [1, 2]), greedy(4, 1.0))
     assert (m.cached_tokens, m.external_tokens) == (96, 4 + len(DOCS[1]) + len(DOCS[2]))

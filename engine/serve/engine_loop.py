@@ -143,7 +143,11 @@ class EngineLoop:
         try:
             prompt = job.prompt
             held = True
-            if is_parts(prompt) and llm.supports_segments:
+            if (
+                is_parts(prompt)
+                and llm.supports_segments
+                and llm.blend_choice(job.params)[0] is not None
+            ):
                 # The documents' KV must be stored before the blend can load it. ingest steps
                 # the engine until idle: other requests advance meanwhile, streamed after.
                 held = llm.store_parts([prompt], [job.params.cache_salt])[0]  # type: ignore[list-item]
@@ -189,6 +193,7 @@ class EngineLoop:
         m = s.metrics
         loaded = {k: int(v) for k, v in (m.connector.get("loaded_tokens") or {}).items()}
         return {
+            "blend": m.blend_rule,  # a prompt in parts: its rule, or "uncalibrated"
             "prompt_tokens": s.num_prompt_tokens,
             "completion_tokens": s.num_output_tokens,
             "prefix_cache_tokens": m.num_cached_tokens,

@@ -103,6 +103,7 @@ def usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
         for k, v in loaded.items():
             by_source[k] = by_source.get(k, 0) + v
     cached = sum(u["prefix_cache_tokens"] + u["connector_tokens"] for u in finals[::n])
+    blend = {u["blend"] for u in finals if u.get("blend")}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -112,6 +113,9 @@ def usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
         # tierkv's extension: where the cached tokens came from (prefix_cache = this replica's
         # blocks; cpu/disk/gpu = its connector's local tiers; remote/redis = the shared store)
         "cached_tokens_by_source": by_source,
+        # a prompt in parts (documents): the blend rule it ran with ("cacheblend@0.15"), or
+        # "uncalibrated" (no calibration met its target: prefix reuse, no blend)
+        **({"blend": ",".join(sorted(blend))} if blend else {}),
     }
 
 
