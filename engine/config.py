@@ -131,7 +131,8 @@ class EngineConfig:
     # layers per step, beside the decodes, which run every layer every step; engine/layered.py)
     prefill_mode: str = "chunked"
     # Layered prefill: the layer groups a prompt goes in (its steps); 0 = as many layers a step
-    # as keep the step's work within a full chunk's (max_num_batched_tokens through every layer)
+    # as keep the step's prefill work within a quarter of a full chunk's (max_num_batched_tokens
+    # tokens through every layer)
     layer_groups: int = 0
     enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
     # The prefix cache's eviction: "lru" (least recently used leaf first) or "hinted" (the leaf

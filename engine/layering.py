@@ -37,12 +37,17 @@ class Layering:
     steps: Generator[None, None, torch.Tensor] | None = None
 
 
+SHARE = 4  # auto groups: a step's prefill work is at most 1/SHARE of a full chunk's
+
+
 def layers_per_step(rows: int, num_layers: int, budget: int, groups: int) -> int:
     """groups > 0: the layers split into that many groups; else as many layers as keep a step's
-    work (tokens x layers) within a full chunk's (budget tokens through every layer)."""
+    prefill work (tokens x layers) within 1/SHARE of a full chunk's (budget tokens through every
+    layer): the decodes beside it wait a quarter of what a chunk makes them wait, and the
+    prompt's first token comes a few decode steps later than in chunks."""
     if groups > 0:
         return math.ceil(num_layers / min(groups, num_layers))
-    return max(1, min(num_layers, budget * num_layers // rows))
+    return max(1, min(num_layers, budget * num_layers // (SHARE * rows)))
 
 
 def blend_layered(sched: Scheduler) -> bool:

@@ -100,12 +100,14 @@ def test_layered_over_connector_hits(ckpt, prompts, hf_tokens) -> None:
 
 
 def test_layered_under_preemption(ckpt, prompts, hf_tokens) -> None:
-    # 6 layers * 2 (K, V) * 16 tokens * 2 heads * 16 dims * 4 bytes = 24 KiB per block
-    llm = layered(ckpt[0], kv_cache_bytes=20 * 24576, enable_prefix_caching=False)
-    assert llm.runner.num_blocks == 20
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == hf_tokens
-    assert sum(o.metrics.preemptions for o in outs) > 0
+    # 6 layers * 2 (K, V) * 16 tokens * 2 heads * 16 dims * 4 bytes = 24 KiB per block. The
+    # 150-token prompt takes 10 of 13 blocks while the 40-token one decodes; that one's fourth
+    # block then preempts the layered prefill, which starts over once blocks are free.
+    llm = layered(ckpt[0], kv_cache_bytes=13 * 24576, enable_prefix_caching=False)
+    assert llm.runner.num_blocks == 13
+    outs = llm.generate([prompts[1], prompts[3]], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_tokens[1], hf_tokens[3]]
+    assert outs[1].metrics.preemptions > 0
     llm.check_integrity()
 
 
