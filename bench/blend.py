@@ -180,11 +180,15 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
 def main() -> None:
     p = add_model_arg(parser(__doc__))
     p.add_argument("--task", action="store_true", help="task accuracy of the blend rules")
+    p.add_argument("--ratios", default="", help="--task: blend ratios, comma-separated (all)")
     args = p.parse_args()
     if args.task or args.model == "smollm2":
         from bench import blend_quality, blend_task
 
-        return (blend_task if args.task else blend_quality).main(args.quick)
+        if args.task:
+            ratios = tuple(float(x) for x in args.ratios.split(",") if x)
+            return blend_task.main(args.quick, ratios or None)
+        return blend_quality.main(args.quick)
     queries = 2 if args.quick else 5
     g = torch.Generator().manual_seed(5)
     vocab = RANDOM_CONFIGS["bench"]["vocab_size"]

@@ -72,7 +72,9 @@ def first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+def run(
+    quick: bool, ratios: tuple[float, ...] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     path = str(pull("smollm2", progress=False))
     common: dict[str, Any] = dict(dtype="fp32", kv_cache_bytes=384 << 20, blend_calibration="off")
     full = LLM(path, enable_prefix_caching=False, **common)
@@ -85,7 +87,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     budget = 160 if quick else 250
     tasks = blend_tasks.tasks(count, 3 if quick else 60, DOCS_PER, budget, seed=0)
     tasks += demo_tasks(count, 1 if quick else 2)[: 1 if quick else None]
-    ratios = (0.15,) if quick else RATIOS
+    ratios = ratios or ((0.15,) if quick else RATIOS)
     pairs = [(r, x) for r in rules() for x in ratios]
     full_rec, blend_rec = First(full), First(blend)
     per: list[dict[str, Any]] = []
@@ -180,8 +182,8 @@ def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=8)
 
 
-def main(quick: bool) -> None:
-    rows, per, config = run(quick)
+def main(quick: bool, ratios: tuple[float, ...] | None = None) -> None:
+    rows, per, config = run(quick, ratios)
     print_table(rows)
     at = {(r["rule"], r["ratio"]): r for r in rows}
     full = at[("full prefill", 1.0)]
