@@ -32,10 +32,9 @@ DOCS = [toks(70, 1), toks(90, 2), toks(50, 3)]
 QUESTION = toks(12, 4)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def blend_checkpoint(path) -> transformers.LlamaForCausalLM:
+    """The 4-layer random Llama of the blend tests, saved at path (fp32, seed 0)."""
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("blend-llama")
     cfg = transformers.LlamaConfig(
         hidden_size=64,
         num_hidden_layers=4,
@@ -50,7 +49,13 @@ def ckpt(tmp_path_factory):
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path)
-    return path, model
+    return model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("blend-llama")
+    return path, blend_checkpoint(path)
 
 
 class Logits:

@@ -131,13 +131,22 @@ def blend_engine(path, mode: str, conn) -> LLM:
     )
 
 
+@pytest.fixture(scope="module")
+def blend_ckpt(tmp_path_factory):
+    from tests.test_blend import blend_checkpoint
+
+    path = tmp_path_factory.mktemp("layered-blend")
+    blend_checkpoint(path)
+    return path
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])
-def test_layered_blend_equals_the_blend_alone(ratio: float) -> None:
+def test_layered_blend_equals_the_blend_alone(blend_ckpt, ratio: float) -> None:
     """A blend prefill layered over steps, beside decodes, samples from the same logits as the
     same blend run alone in its step (the 4-layer model of tests/test_blend.py, fp32)."""
     from tests.test_blend import DOCS, Logits, prompt
 
-    path = blend_ckpt()
+    path = blend_ckpt
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, blend_ratio=ratio)
     seen = []
     for mode in ("chunked", "layered"):
@@ -166,33 +175,3 @@ def test_layered_blend_equals_the_blend_alone(ratio: float) -> None:
         conn.close()
     assert seen[0][1] == seen[1][1]  # the same rows recomputed
     assert seen[0][2] == seen[1][2]  # and the same tokens
-
-
-_BLEND: list = []
-
-
-def blend_ckpt():
-    """tests/test_blend.py's checkpoint, saved once for this module."""
-    if not _BLEND:
-        import tempfile
-        from pathlib import Path
-
-        import transformers
-
-        path = Path(tempfile.mkdtemp(prefix="layered-blend-"))
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=256,
-            max_position_embeddings=1024,
-            eos_token_id=None,
-            bos_token_id=None,
-            pad_token_id=None,
-        )
-        transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-        _BLEND.append(path)
-    return _BLEND[0]
