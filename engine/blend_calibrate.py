@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from tierkv.engine import blend_tasks
 from tierkv.engine.blend_gate import Calibration, Trial, accepts, entry, model_digest
+from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.llm import LLM
 from tierkv.engine.models import resolve
 from tierkv.engine.sampling_params import SamplingParams
@@ -69,12 +70,15 @@ def params_of(rule: str, ratio: float, max_tokens: int) -> SamplingParams:
 
 
 def calibrate(
-    model: str, cfg: CalibrateConfig, out: Path | None = None, progress: bool = True
+    model: str,
+    cfg: CalibrateConfig,
+    connector: KVConnector,
+    out: Path | None = None,
+    progress: bool = True,
 ) -> tuple[Calibration, Path]:
     """Measure, choose, write (to out, else the model's cache entry); returns what was written
-    and where."""
-    from tierkv.connector import ConnectorConfig, TierKVConnector, TiersConfig
-
+    and where. connector: the one the blends store and load their segments through (the entry
+    point wires it in and closes it: the engine does not import the connector)."""
     src = Path(resolve(model))
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such model file or checkpoint directory")
@@ -88,43 +92,39 @@ def calibrate(
     count = lambda s: len(encode(s))
     sample = blend_tasks.tasks(count, cfg.questions, cfg.docs_per, cfg.doc_tokens, cfg.seed)
     prompts = [blend_tasks.prompt(encode, t) for t in sample]
-    conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="1GiB")))
-    try:
-        blend = LLM(str(src), kv_connector=conn, max_num_batched_tokens=4096, **common)  # type: ignore[arg-type]
-        greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
-        ref = [full.generate(flat, greedy, use_tqdm=False)[0] for flat, _ in prompts]
-        full_right = sum(blend_tasks.correct(r.text or "", t) for r, t in zip(ref, sample))
-        n = len(sample)
-        allowed_misses = n - math.ceil(cfg.min_agreement * n - 1e-9)
-        need_right = math.ceil(cfg.min_relative_accuracy * full_right - 1e-9)
-        cal = Calibration(
-            digest,
-            cfg.dtype,
-            cfg.min_agreement,
-            cfg.min_relative_accuracy,
-            full_right / n,
-            n,
-        )
-        bar = tqdm(candidates(cfg), desc="calibrate-blend", disable=not progress)
-        for rule, ratio in bar:
-            sp = params_of(rule, ratio, cfg.max_tokens)
-            agree = right = done = 0
-            for (_, parts), task, r in zip(prompts, sample, ref):
-                o = blend.generate(parts, sp, use_tqdm=False)[0]
-                done += 1
-                agree += o.token_ids[:1] == r.token_ids[:1]
-                right += blend_tasks.correct(o.text or "", task)
-                if done - agree > allowed_misses or right + n - done < need_right:
-                    break  # can no longer meet the target
-            met = done == n and done - agree <= allowed_misses and right >= need_right
-            cal.trials.append(Trial(rule, ratio, done, agree / done, right / done, met))
-            bar.set_postfix_str(f"{rule}@{ratio:g}: agree {agree}/{done}, right {right}")
-            if met:
-                cal.rule, cal.ratio = rule, ratio
-                break
-        bar.close()
-    finally:
-        conn.close()
+    blend = LLM(str(src), kv_connector=connector, max_num_batched_tokens=4096, **common)  # type: ignore[arg-type]
+    greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
+    ref = [full.generate(flat, greedy, use_tqdm=False)[0] for flat, _ in prompts]
+    full_right = sum(blend_tasks.correct(r.text or "", t) for r, t in zip(ref, sample))
+    n = len(sample)
+    allowed_misses = n - math.ceil(cfg.min_agreement * n - 1e-9)
+    need_right = math.ceil(cfg.min_relative_accuracy * full_right - 1e-9)
+    cal = Calibration(
+        digest,
+        cfg.dtype,
+        cfg.min_agreement,
+        cfg.min_relative_accuracy,
+        full_right / n,
+        n,
+    )
+    bar = tqdm(candidates(cfg), desc="calibrate-blend", disable=not progress)
+    for rule, ratio in bar:
+        sp = params_of(rule, ratio, cfg.max_tokens)
+        agree = right = done = 0
+        for (_, parts), task, r in zip(prompts, sample, ref):
+            o = blend.generate(parts, sp, use_tqdm=False)[0]
+            done += 1
+            agree += o.token_ids[:1] == r.token_ids[:1]
+            right += blend_tasks.correct(o.text or "", task)
+            if done - agree > allowed_misses or right + n - done < need_right:
+                break  # can no longer meet the target
+        met = done == n and done - agree <= allowed_misses and right >= need_right
+        cal.trials.append(Trial(rule, ratio, done, agree / done, right / done, met))
+        bar.set_postfix_str(f"{rule}@{ratio:g}: agree {agree}/{done}, right {right}")
+        if met:
+            cal.rule, cal.ratio = rule, ratio
+            break
+    bar.close()
     path = out or entry(src, digest)
     path.write_text(cal.to_json())
     return cal, path

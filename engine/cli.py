@@ -131,6 +131,7 @@ def chat(llm: LLM, args: argparse.Namespace) -> None:
 
 def calibrate(args: argparse.Namespace) -> int:
     """Run calibrate-blend and print what it chose and where it wrote it."""
+    from tierkv.connector import ConnectorConfig, TierKVConnector, TiersConfig
     from tierkv.engine.blend_calibrate import CalibrateConfig
     from tierkv.engine.blend_calibrate import calibrate as run
 
@@ -146,7 +147,13 @@ def calibrate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
-    cal, path = run(args.model, cfg, Path(args.out) if args.out else None)
+
+    # the blends' segments, in a local cpu tier
+    conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="1GiB")))
+    try:
+        cal, path = run(args.model, cfg, conn, Path(args.out) if args.out else None)
+    finally:
+        conn.close()
     for t in cal.trials:
         print(
             f"{t.rule}@{t.ratio:g}: first token agrees {t.first_token_agreement:.0%}, "
