@@ -86,13 +86,7 @@ def test_budget_evicts_only_segments() -> None:
         ConnectorConfig(chunk_size=16, segment_bytes=2 * doc_bytes, segment_admit_after=2),
         tiers=[tier],
     )
-    llm = LLM(
-        dict(RANDOM_CONFIGS["tiny"]),
-        dtype="fp32",
-        kv_cache_bytes=8 << 20,
-        enable_prefix_caching=False,
-        kv_connector=conn,
-    )
+    llm = tiny_engine(conn)
     try:
         llm.generate([HOT_PREFIXES[0]], ONE, use_tqdm=False)
         docs = [toks(48, 2000 + i) for i in range(4)]
@@ -113,17 +107,22 @@ def test_budget_evicts_only_segments() -> None:
         conn.close()
 
 
-def test_a_sighting_is_a_prompt() -> None:
-    """A document twice in one prompt is one sighting (not stored); in two prompts of one
-    batch, two (stored, and both prompts blend it)."""
-    conn = TierKVConnector(ConnectorConfig(chunk_size=16, segment_admit_after=2))
-    llm = LLM(
+def tiny_engine(conn: TierKVConnector) -> LLM:
+    """The tiny random model in fp32 on conn, no prefix cache (every hit is the connector's)."""
+    return LLM(
         dict(RANDOM_CONFIGS["tiny"]),
         dtype="fp32",
         kv_cache_bytes=8 << 20,
         enable_prefix_caching=False,
         kv_connector=conn,
     )
+
+
+def test_a_sighting_is_a_prompt() -> None:
+    """A document twice in one prompt is one sighting (not stored); in two prompts of one
+    batch, two (stored, and both prompts blend it)."""
+    conn = TierKVConnector(ConnectorConfig(chunk_size=16, segment_admit_after=2))
+    llm = tiny_engine(conn)
     try:
         pre = list(llm.segment_preamble)
         a, b = toks(48, 3000), toks(48, 3001)
@@ -149,13 +148,7 @@ def test_a_sighting_is_a_prompt() -> None:
 
 def test_parts_are_stored_under_the_prompts_cache_salt() -> None:
     conn = TierKVConnector(ConnectorConfig(chunk_size=16, segment_admit_after=1))
-    llm = LLM(
-        dict(RANDOM_CONFIGS["tiny"]),
-        dtype="fp32",
-        kv_cache_bytes=8 << 20,
-        enable_prefix_caching=False,
-        kv_connector=conn,
-    )
+    llm = tiny_engine(conn)
     try:
         d = toks(48, 4000)
         salted = SamplingParams(
