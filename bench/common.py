@@ -168,3 +168,31 @@ def write_results(
     print_goals(goals)
     print(f"wrote {out}")
     return out
+
+
+class Checkpoint:
+    """A long benchmark's finished work units (lists of records, the first carrying the unit's
+    id under "q"), appended as each ends, so a run cut short resumes; kept only while the
+    settings (its first line) are the same."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]) -> None:
+        self.path = path
+        self.done: dict[Any, list[dict[str, Any]]] = {}
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[0]) == settings:
+            for line in lines[1:]:
+                try:
+                    recs = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # the unit being written when the run was cut: done again
+                self.done[recs[0]["q"]] = recs
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [json.dumps(r) for r in self.done.values()]
+        path.write_text("".join(line + "\n" for line in [json.dumps(settings), *kept]))
+
+    def add(self, recs: list[dict[str, Any]]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(recs) + "\n")
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

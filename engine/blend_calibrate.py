@@ -3,9 +3,13 @@
 On a sample of the pydoc task set (engine/blend_tasks.py; its own seed, not the benchmark's),
 full prefill answers every question once; then each candidate (rule, ratio), cheapest first
 (lowest ratio first, rules in RULES order within a ratio), answers them by blending. The first
-candidate whose first token equals full prefill's on at least min_agreement of the questions
-and whose accuracy is at least min_relative_accuracy of full prefill's is chosen; a candidate
-stops as soon as it can no longer meet the target. The result goes to M's cache entry
+candidate that meets all three targets is chosen: its first token equals full prefill's on at
+least min_agreement of the questions, its answer (the reply's first line, normalised) equals
+full prefill's on at least min_answer_agreement, and its accuracy is at least
+min_relative_accuracy of full prefill's. The answer check is the strong one: the prompt gives
+the reply's lead, so the first token (the answer's first digit or letter) agrees for nearly
+every rule, while the rest of the value may not. A candidate stops as soon as it can no longer
+meet the target. The result goes to M's cache entry
 (engine/blend_gate.py), which `serve` and `LLM` read at start.
 """
 
@@ -31,8 +35,9 @@ RULES = ("cacheblend", "legolink", "query_early", "query_late", "ape", "legolink
 
 @dataclass(slots=True)
 class CalibrateConfig:
-    questions: int = 24  # in the sample
+    questions: int = 40  # in the sample
     min_agreement: float = 0.95  # target: first token equal to full prefill's, share of questions
+    min_answer_agreement: float = 0.9  # target: answer equal to full prefill's, share of questions
     min_relative_accuracy: float = 0.98  # target: accuracy / full prefill's accuracy
     ratios: tuple[float, ...] = (0.05, 0.15, 0.3, 0.5)  # candidate blend ratios
     rules: tuple[str, ...] = ()  # candidate rules; () = every one in RULES the engine accepts
@@ -45,7 +50,7 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if self.questions < 1 or self.max_tokens < 1 or self.doc_tokens < 16:
             raise ValueError("questions and max_tokens must be >= 1, doc_tokens >= 16")
-        for name in ("min_agreement", "min_relative_accuracy"):
+        for name in ("min_agreement", "min_answer_agreement", "min_relative_accuracy"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not self.ratios or any(not 0.0 < r <= 1.0 for r in self.ratios):
@@ -98,6 +103,7 @@ def calibrate(
     full_right = sum(blend_tasks.correct(r.text or "", t) for r, t in zip(ref, sample))
     n = len(sample)
     allowed_misses = n - math.ceil(cfg.min_agreement * n - 1e-9)
+    allowed_other = n - math.ceil(cfg.min_answer_agreement * n - 1e-9)
     need_right = math.ceil(cfg.min_relative_accuracy * full_right - 1e-9)
     cal = Calibration(
         digest,
@@ -106,21 +112,34 @@ def calibrate(
         cfg.min_relative_accuracy,
         full_right / n,
         n,
+        min_answer_agreement=cfg.min_answer_agreement,
     )
     bar = tqdm(candidates(cfg), desc="calibrate-blend", disable=not progress)
     for rule, ratio in bar:
         sp = params_of(rule, ratio, cfg.max_tokens)
-        agree = right = done = 0
+        agree = same = right = done = 0
         for (_, parts), task, r in zip(prompts, sample, ref):
             o = blend.generate(parts, sp, use_tqdm=False)[0]
+            if not o.metrics.blend:
+                raise RuntimeError(
+                    "calibrate-blend: a trial ran as a plain prompt, not blended; its connector "
+                    "must store parts on first sight (ConnectorConfig.segment_admit_after=1)"
+                )
             done += 1
             agree += o.token_ids[:1] == r.token_ids[:1]
+            same += blend_tasks.answer(o.text or "") == blend_tasks.answer(r.text or "")
             right += blend_tasks.correct(o.text or "", task)
-            if done - agree > allowed_misses or right + n - done < need_right:
+            if (
+                done - agree > allowed_misses
+                or done - same > allowed_other
+                or right + n - done < need_right
+            ):
                 break  # can no longer meet the target
-        met = done == n and done - agree <= allowed_misses and right >= need_right
-        cal.trials.append(Trial(rule, ratio, done, agree / done, right / done, met))
-        bar.set_postfix_str(f"{rule}@{ratio:g}: agree {agree}/{done}, right {right}")
+        met = done == n and done - agree <= allowed_misses and done - same <= allowed_other
+        met = met and right >= need_right
+        trial = Trial(rule, ratio, done, agree / done, right / done, met, same / done)
+        cal.trials.append(trial)
+        bar.set_postfix_str(f"{rule}@{ratio:g}: agree {agree}/{done}, same {same}, right {right}")
         if met:
             cal.rule, cal.ratio = rule, ratio
             break

@@ -34,7 +34,7 @@ from tierkv.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tierkv.engine")
 
-FORMAT, VERSION = "tierkv-blend-calibration", 1
+FORMAT, VERSION = "tierkv-blend-calibration", 2
 BASE_RULE = "cacheblend"  # the rule blend_ratio alone selects: K deviation at the check layer
 UNCALIBRATED = "uncalibrated"
 
@@ -49,6 +49,7 @@ class Trial:
     first_token_agreement: float  # share whose first token equals full prefill's
     accuracy: float  # share answered right
     met: bool
+    answer_agreement: float = 0.0  # share whose answer (the reply's first line) equals full's
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class Calibration:
     trials: list[Trial] = field(default_factory=list)  # cheapest first
     rule: str | None = None  # the cheapest trial that met the target; None: none did
     ratio: float | None = None
+    min_answer_agreement: float = 0.0  # target: the answer equal to full prefill's
 
     @property
     def label(self) -> str:
@@ -97,6 +99,7 @@ class Calibration:
                     _share(t, "first_token_agreement", w),
                     _share(t, "accuracy", w),
                     _get(t, "met", bool, w),
+                    _share(t, "answer_agreement", w),
                 )
             )
         rule, ratio = d.get("rule"), d.get("ratio")
@@ -117,6 +120,7 @@ class Calibration:
             trials,
             rule,
             ratio,
+            _share(d, "min_answer_agreement", where),
         )
 
 

@@ -165,6 +165,13 @@ def correct(answer_text: str, task: Task) -> bool:
     return holds(answer_text, task.answer)
 
 
+def answer(reply: str) -> str:
+    """A reply's answer, for comparing two replies: its first non-empty line, normalised, without
+    a trailing full stop (the value the lead asked for, not the words after it)."""
+    first = next((line for line in reply.splitlines() if line.strip()), "")
+    return normal(first).rstrip(".")
+
+
 def prompt(
     encode: Callable[[str], list[int]], task: Task, system: str = SYSTEM
 ) -> tuple[list[int], list[PromptPart]]:

@@ -138,6 +138,7 @@ def calibrate(args: argparse.Namespace) -> int:
     cfg = CalibrateConfig(
         questions=args.questions,
         min_agreement=args.min_agreement,
+        min_answer_agreement=args.min_answer_agreement,
         min_relative_accuracy=args.min_relative_accuracy,
         ratios=args.ratios,
         rules=args.rules,
@@ -148,8 +149,9 @@ def calibrate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
 
-    # the blends' segments, in a local cpu tier
-    conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=TiersConfig(cpu_bytes="1GiB")))
+    # the blends' segments, in a local cpu tier, stored on first sight: every trial must blend
+    tiers = TiersConfig(cpu_bytes="1GiB")
+    conn = TierKVConnector(ConnectorConfig(chunk_size=64, tiers=tiers, segment_admit_after=1))
     try:
         cal, path = run(args.model, cfg, conn, Path(args.out) if args.out else None)
     finally:
@@ -157,6 +159,7 @@ def calibrate(args: argparse.Namespace) -> int:
     for t in cal.trials:
         print(
             f"{t.rule}@{t.ratio:g}: first token agrees {t.first_token_agreement:.0%}, "
+            f"answer agrees {t.answer_agreement:.0%}, "
             f"accuracy {t.accuracy:.0%} of {t.questions} questions{' (met)' if t.met else ''}"
         )
     print(f"full prefill accuracy {cal.full_accuracy:.0%}; chosen: {cal.label}")

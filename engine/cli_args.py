@@ -200,6 +200,12 @@ def add_calibrate(sub: Any) -> None:
         "--min-agreement", type=float, default=d.min_agreement, help=knob_help(cc, "min_agreement")
     )
     c.add_argument(
+        "--min-answer-agreement",
+        type=float,
+        default=d.min_answer_agreement,
+        help=knob_help(cc, "min_answer_agreement"),
+    )
+    c.add_argument(
         "--min-relative-accuracy",
         type=float,
         default=d.min_relative_accuracy,

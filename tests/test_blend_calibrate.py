@@ -79,7 +79,7 @@ def test_uncalibrated_falls_back_to_prefix_reuse(model: Path) -> None:
 def test_calibrate_blend_writes_the_entry_serve_uses(model: Path, capsys) -> None:
     args = ["calibrate-blend", "--model", str(model), "--questions", "2", "--docs-per", "2"]
     args += ["--doc-tokens", "80", "--ratios", "0.5", "--max-tokens", "2"]
-    args += ["--min-agreement", "0", "--min-relative-accuracy", "0"]
+    args += ["--min-agreement", "0", "--min-answer-agreement", "0", "--min-relative-accuracy", "0"]
     assert cli(args) == 0
     path = entry(model, model_digest(model))
     assert f"wrote {path}" in capsys.readouterr().out
@@ -103,3 +103,19 @@ def test_calibrate_blend_writes_the_entry_serve_uses(model: Path, capsys) -> Non
             assert r.usage.model_extra["cached_tokens_by_source"].get("cpu", 0) >= 100
     finally:
         conn.close()
+
+
+def test_a_trial_that_did_not_blend_is_refused(model: Path, tmp_path: Path) -> None:
+    """A connector that stores parts only on their second sighting lets a trial's first run go
+    unblended (a plain prefill, which agrees with full prefill trivially): calibrate refuses it
+    rather than score a rule it never ran."""
+    from tierkv.engine.blend_calibrate import CalibrateConfig, calibrate
+
+    cfg = CalibrateConfig(questions=1, docs_per=(2,), doc_tokens=60, ratios=(0.5,), max_tokens=1)
+    conn = connector()  # segment_admit_after=2, the connector's default
+    try:
+        with pytest.raises(RuntimeError, match="segment_admit_after=1"):
+            calibrate(str(model), cfg, conn, tmp_path / "cal.json", progress=False)
+    finally:
+        conn.close()
+    assert not (tmp_path / "cal.json").exists()

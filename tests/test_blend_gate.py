@@ -23,7 +23,7 @@ SHA = "ab" * 32
 shares = st.floats(0.0, 1.0, allow_nan=False)
 rules = st.sampled_from(["cacheblend", "legolink", "query_early", "legolink+cacheblend"])
 trials = st.builds(
-    Trial, rules, st.floats(0.01, 1.0), st.integers(1, 500), shares, shares, st.booleans()
+    Trial, rules, st.floats(0.01, 1.0), st.integers(1, 500), shares, shares, st.booleans(), shares
 )
 
 
@@ -42,6 +42,7 @@ def calibrations(draw: st.DrawFn) -> Calibration:
         ts,
         chosen.rule if chosen else None,
         chosen.ratio if chosen else None,
+        draw(shares),
     )
 
 
@@ -64,7 +65,8 @@ def good() -> dict:
     ("change", "message"),
     [
         ({"format": "other"}, "field 'format'"),
-        ({"version": 2}, "version 2"),
+        ({"version": 1}, "version 1"),
+        ({"min_answer_agreement": 2}, "'min_answer_agreement'"),
         ({"model_sha256": "xyz"}, "'model_sha256'"),
         ({"ratio": 1.5}, "'ratio' must be a number in \\[0, 1\\]"),
         ({"ratio": None}, "both set or both null"),
@@ -73,6 +75,7 @@ def good() -> dict:
         ({"questions": 0}, "'questions' must be >= 1"),
         ({"min_agreement": "high"}, "'min_agreement'"),
         ({"trials": [{"rule": "cacheblend"}]}, "trials\\[0\\]"),
+        ({"trials": [good()["trials"][0] | {"answer_agreement": -1}]}, "'answer_agreement'"),
     ],
 )
 def test_bad_calibration_is_refused_naming_the_field(

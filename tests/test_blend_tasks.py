@@ -44,6 +44,14 @@ def test_answer_check_is_a_normalised_whole_word_match() -> None:
     )
 
 
+def test_two_replies_agree_on_their_first_line_only() -> None:
+    a = blend_tasks.answer
+    assert a(" 15\n\nThe value of MAX_WBITS") == a("15.\nIt is the window size.") == "15"
+    assert a("\n 'Strict'") == "strict"  # quotes and case normalised, blank lines skipped
+    assert a(" 15") != a(" 150") and a(" 15") != a(" 1.5")
+    assert a("") == a("\n\n") == ""
+
+
 def test_facts_are_read_from_data_and_signatures() -> None:
     lines = [
         "DATA",
