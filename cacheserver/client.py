@@ -38,12 +38,13 @@ from tierkv.cacheserver.frames import Assembly, assemble_many, put_wire
 from tierkv.cacheserver.hint_call import hint_requests
 from tierkv.proto import tierkv_pb2 as pb
 from tierkv.proto import tierkv_pb2_grpc as pb_grpc
+from tierkv.storage_backends.base_tier import BaseTier
 from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError, decode_layer
 from tierkv.storage_backends.sizes import MiB
 from tierkv.storage_backends.stream import LayerSink, stream_whole
-from tierkv.storage_backends.tier import BaseTier, SegmentLayer
+from tierkv.storage_backends.tier import SegmentLayer
 
 log = logging.getLogger("tierkv.remote")
 LOOKUP_BATCH = 1024  # keys per Lookup call in contains()

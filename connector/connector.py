@@ -13,7 +13,6 @@ never needed after its step: request_finished always lets the engine free them a
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -21,11 +20,7 @@ import torch
 from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import ConnectorStats, LoadPlan, RequestState, StepMeta
-from tierkv.connector.requests import (
-    model_fingerprint,
-    record_lookup,
-    request_state,
-)
+from tierkv.connector.requests import located, model_fingerprint, record_lookup, request_state
 from tierkv.connector.segments import SegmentStore
 from tierkv.connector.steps import chunks_to_save, load_plans
 from tierkv.connector.transfer import engine_kv
@@ -38,8 +33,6 @@ from tierkv.storage_backends.hints import KVHint
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
 from tierkv.storage_backends.tier import Tier
-
-log = logging.getLogger("tierkv.connector")
 
 
 class TierKVConnector(KVConnector):
@@ -168,19 +161,10 @@ class TierKVConnector(KVConnector):
         if not st.chunks or not (st.prefix_chunks or blend) or fp8_cold:
             return 0  # nothing that could load
         self.stats.lookups += 1
-        try:
-            where = self.loop.run(
-                self.store.locate([c.key for c in st.chunks], self.ns), self.config.lookup_timeout_s
-            )
-        except Exception as e:  # a slow or failing store is a miss
-            log.warning("connector lookup failed (%r): miss", e)
-            where = [None] * len(st.chunks)
-        new = record_lookup(
-            st,
-            [self.store.tiers[w].name if w is not None else None for w in where],
-            num_computed_tokens,
-            blend,
-        )
+        keys, timeout = [c.key for c in st.chunks], self.config.lookup_timeout_s
+        where = located(self.loop, self.store, keys, self.ns, timeout)
+        names = [self.store.tiers[w].name if w is not None else None for w in where]
+        new = record_lookup(st, names, num_computed_tokens, blend)
         self.stats.lookup_hit_tokens += new
         for c, hit in zip(st.chunks, st.hits if blend else []):
             if hit:  # a segment hit: the bounded store's most recently used

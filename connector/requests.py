@@ -1,18 +1,23 @@
-"""What the connector keys a request by: its chunks (prefix, segment or ingest), and the
-model fingerprint every key is salted with."""
+"""What the connector keys a request by: its chunks (prefix, segment or ingest), the model
+fingerprint every key is salted with, and the lookup of where the store holds them."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
+from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, RequestState
 from tierkv.engine.kv_connector import ConnectorRequest
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.segment import dtype_name
+from tierkv.storage_backends.store import TieredStore
+
+log = logging.getLogger("tierkv.connector")
 
 # The model config fields that shape a model's KV; the rest (EOS ids, the dtype a file
 # names, the context length it declares) differ between file formats of the same weights.
@@ -80,6 +85,18 @@ def segment_keys(
     """Each segment's key, computed standalone or, given prefix, right after that prefix."""
     after = hasher.prefix_key(np.asarray(prefix, dtype=np.int32)) if prefix else None
     return [hasher.segment_key(np.asarray(t, dtype=np.int32), after) for t in segments]
+
+
+def located(
+    loop: LoopThread, store: TieredStore, keys: list[bytes], ns: str, timeout: float
+) -> list[int | None]:
+    """The index of the fastest tier holding each key, else None, from one lookup on the
+    connector's loop; a store that fails or takes over timeout seconds is a miss (logged)."""
+    try:
+        return loop.run(store.locate(keys, ns), timeout)
+    except Exception as e:
+        log.warning("tierkv lookup failed (%r): miss", e)
+        return [None] * len(keys)
 
 
 def record_lookup(st: RequestState, tiers: list[str | None], num_computed: int, blend: bool) -> int:

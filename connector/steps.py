@@ -25,20 +25,7 @@ def load_plans(
         if blend
         else (request.num_computed_tokens, request.num_computed_tokens + num_external_tokens)
     )
-    plans: list[LoadPlan] = []
-    if end > start:  # a prefix run: loaded exactly, where it was computed
-        idx = [i for i, c in enumerate(st.chunks[: st.present]) if c.end > start and c.start < end]
-        plans.append(
-            LoadPlan(
-                request_id,
-                blocks,
-                start,
-                end,
-                [st.chunks[i] for i in idx],
-                [st.tiers[i] for i in idx],
-                st.tokens,
-            )
-        )
+    plans = [prefix_load(request_id, blocks, st, start, end)] if end > start else []
     for c, hit, tier in zip(st.chunks, st.hits if blend else [], st.tiers):
         if hit:  # a segment: re-rotated from where it was computed to where it is now
             plans.append(
@@ -54,6 +41,16 @@ def load_plans(
                 )
             )
     return plans
+
+
+def prefix_load(
+    request_id: str, blocks: torch.Tensor, st: RequestState, start: int, end: int
+) -> LoadPlan:
+    """The load of tokens start..end of the request's present prefix run, exactly where they
+    were computed, from the chunks that hold them."""
+    idx = [i for i, c in enumerate(st.chunks[: st.present]) if c.end > start and c.start < end]
+    chunks, tiers = [st.chunks[i] for i in idx], [st.tiers[i] for i in idx]
+    return LoadPlan(request_id, blocks, start, end, chunks, tiers, st.tokens)
 
 
 def chunks_to_save(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import fields, replace
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,21 @@ __all__ = ["Engine", "LogitsHook", "NoFit", "Prompt"]
 LogitsHook = Callable[[torch.Tensor], None]
 
 
+def with_knobs(config: EngineConfig, knobs: dict[str, Any]) -> EngineConfig:
+    """A copy of config with knobs (EngineConfig field names) set over it, checked as
+    EngineConfig checks itself; an unknown name raises TypeError, naming it and the nearest."""
+    names = [f.name for f in fields(EngineConfig)]
+    for k in knobs:
+        if k not in names:
+            near = get_close_matches(k, names, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(
+                f"unknown engine knob {k!r}{hint}: the knobs are EngineConfig's fields, "
+                "kv_connector and device"
+            )
+    return replace(config, **knobs)
+
+
 class NoFit(RuntimeError):
     """Nothing could be scheduled: request_id, the head of the queue, needs more KV blocks than
     the cache holds."""
@@ -53,92 +70,39 @@ class Engine:
     def __init__(
         self,
         model: str | Path | dict[str, Any] | ModelConfig,
-        dtype: str = "auto",
-        kv_cache_bytes: int = 1 << 30,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
+        config: EngineConfig | None = None,
+        *,
         kv_connector: KVConnector | None = None,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_model_len: int = 0,
-        seed: int = 0,
         device: str = "cpu",
-        blend_ratio: float = 0.15,
-        blend_check_layer: int = 1,
-        blend_metric: str = "k",
-        blend_gradual: int = 0,
-        blend_rule: str = "cacheblend",
-        blend_sink_tokens: int = 16,
-        blend_query_layer: int | None = None,
-        blend_query_smooth: int = 2,
-        blend_ape_temperature: float = 0.9,
-        blend_ape_scale: float = 0.9,
-        matmul_dtype: str = "auto",
-        eviction: str = "lru",
-        workflow_prefetch: bool = True,
-        block_prefetch: int = 32,
-        prefill_mode: str = "chunked",
-        layer_groups: int = 0,
-        blend_encoding: str = "standalone",
-        blend_calibration: str = "auto",
+        **knobs: Any,
     ) -> None:
-        self.config = EngineConfig(
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_cache_bytes=kv_cache_bytes,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
-            seed=seed,
-            blend_ratio=blend_ratio,
-            blend_check_layer=blend_check_layer,
-            blend_metric=blend_metric,
-            blend_gradual=blend_gradual,
-            blend_rule=blend_rule,
-            blend_sink_tokens=blend_sink_tokens,
-            blend_query_layer=blend_query_layer,
-            blend_query_smooth=blend_query_smooth,
-            blend_ape_temperature=blend_ape_temperature,
-            blend_ape_scale=blend_ape_scale,
-            matmul_dtype=matmul_dtype,
-            eviction=eviction,
-            workflow_prefetch=workflow_prefetch,
-            block_prefetch=block_prefetch,
-            prefill_mode=prefill_mode,
-            layer_groups=layer_groups,
-            blend_encoding=blend_encoding,
-            blend_calibration=blend_calibration,
-        )
-        net, self.model_config, self.dtype, self.tokenizer = load_model(
-            model, self.config.dtype, seed
-        )
+        """model: a checkpoint directory, a named model (engine/models.py), or a config of
+        random weights. knobs: fields of EngineConfig (engine/config.py), set over config (or
+        over the defaults); an unknown name raises TypeError, a bad value ValueError."""
+        self.config = c = with_knobs(EngineConfig() if config is None else config, knobs)
+        net, self.model_config, self.dtype, self.tokenizer = load_model(model, c.dtype, c.seed)
         # the tokens a reusable part without a declared prefix is encoded after; () standalone
-        self.segment_preamble = (
-            preamble(self.tokenizer) if self.config.blend_encoding == "preamble" else ()
-        )
+        self.segment_preamble = preamble(self.tokenizer) if c.blend_encoding == "preamble" else ()
         self.blend_gate = BlendGate.open(
-            blend_calibration, resolve(model) if isinstance(model, str) else model
+            c.blend_calibration, resolve(model) if isinstance(model, str) else model
         )
         self.device = torch.device(device)
         self.connector = kv_connector or NoOpConnector()
         self.runner = ModelRunner(
             net.to(self.device),
             self.model_config,
-            self.config,
+            c,
             self.dtype,
             self.connector,
             self.device,
         )
         self.blocks = BlockManager(
-            self.runner.num_blocks, block_size, enable_prefix_caching, self.config.eviction
+            self.runner.num_blocks, c.block_size, c.enable_prefix_caching, c.eviction
         )
         self.steps = StepPrefetch()  # workflow steps: the next step's agents' prompts
-        self.max_model_len = max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = c.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
-            self.config,
+            c,
             self.blocks,
             self.connector,
             self.model_config.eos_token_id,
@@ -148,12 +112,12 @@ class Engine:
         # the next step's agents' prompts, from the connector's local tier into free blocks (a
         # connector that knows its local tier: get_num_prefetched_tokens)
         local = type(self.connector).get_num_prefetched_tokens
-        bp = self.config.block_prefetch if local is not KVConnector.get_num_prefetched_tokens else 0
+        bp = c.block_prefetch if local is not KVConnector.get_num_prefetched_tokens else 0
         self.block_prefetch = BlockPrefetch(self.scheduler, bp)
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.logits_hooks: list[LogitsHook] = []
         self.stats = EngineStats()
-        self._rng = torch.Generator().manual_seed(seed)
+        self._rng = torch.Generator().manual_seed(c.seed)
         self._next_id = 0  # of the next sequence
 
     @property

@@ -1,5 +1,6 @@
 """KV segments, chunk keys, the tier interface and the local tiers behind one tiered store."""
 
+from tierkv.storage_backends.base_tier import BaseTier
 from tierkv.storage_backends.indexed_tier import IndexedTier
 from tierkv.storage_backends.invariants import InvariantError
 from tierkv.storage_backends.keys import ChunkHasher, Salt
@@ -15,7 +16,7 @@ from tierkv.storage_backends.segment import (
 )
 from tierkv.storage_backends.sizes import MiB, format_size, parse_size
 from tierkv.storage_backends.stats import TierStats
-from tierkv.storage_backends.tier import BaseTier, SegmentLayer, Tier
+from tierkv.storage_backends.tier import SegmentLayer, Tier
 
 __all__ = [
     "DEFAULT_NAMESPACE",

@@ -6,6 +6,7 @@ import abc
 from collections import Counter, OrderedDict
 from typing import Any, Generic, TypeVar
 
+from tierkv.storage_backends.base_tier import BaseTier
 from tierkv.storage_backends.eviction import EvictionPolicy, LruPolicy
 from tierkv.storage_backends.hint_book import HintBook
 from tierkv.storage_backends.hints import KVHint
@@ -14,7 +15,6 @@ from tierkv.storage_backends.leases import Lease, Leases
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_key, check_namespace
 from tierkv.storage_backends.segment import KVSegment, SegmentError
 from tierkv.storage_backends.stats import TierStats
-from tierkv.storage_backends.tier import BaseTier
 
 E = TypeVar("E")
 

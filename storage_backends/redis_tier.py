@@ -23,6 +23,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tierkv.storage_backends.base_tier import BaseTier
 from tierkv.storage_backends.names import DEFAULT_NAMESPACE, check_namespace
 from tierkv.storage_backends.redis_connect import connect
 from tierkv.storage_backends.redis_stream import stream_values
@@ -35,7 +36,7 @@ from tierkv.storage_backends.segment import (
 )
 from tierkv.storage_backends.stats import TierStats
 from tierkv.storage_backends.stream import LayerSink
-from tierkv.storage_backends.tier import BaseTier, SegmentLayer
+from tierkv.storage_backends.tier import SegmentLayer
 
 log = logging.getLogger("tierkv.redis")
 # Redis unreachable or too slow: these start a backoff. Other RedisErrors are one refused call.

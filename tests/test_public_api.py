@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierkv.engine import LLM, Engine, NoFit, SamplingParams
-from tierkv.engine.config import RANDOM_CONFIGS
+from tierkv.engine.config import RANDOM_CONFIGS, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = ["engine/serve", "bench", "examples", "connector", "vllm_adapter"]
@@ -98,3 +98,23 @@ def test_a_prompt_that_can_never_fit_names_its_request() -> None:
     with pytest.raises(NoFit) as e:
         small.step()
     assert e.value.request_id == "big"
+
+
+def test_knobs_are_engine_config_fields_set_over_a_config() -> None:
+    tiny = dict(RANDOM_CONFIGS["tiny"])
+    base = EngineConfig(dtype="float32", block_size=32, kv_cache_bytes=1 << 20)
+    e = Engine(tiny, base, max_num_seqs=3, retain_host_memory=False)
+    assert (e.config.block_size, e.config.max_num_seqs, e.config.retain_host_memory) == (
+        32,
+        3,
+        False,
+    )
+    assert base.max_num_seqs == 256  # the caller's config is not changed
+    knobs = Engine(tiny, dtype="float32", kv_cache_bytes=1 << 20, block_size=32, max_num_seqs=3)
+    assert knobs.config == EngineConfig(
+        dtype="float32", kv_cache_bytes=1 << 20, block_size=32, max_num_seqs=3
+    )
+    with pytest.raises(TypeError, match="'kv_cache_byte' .*did you mean 'kv_cache_bytes'"):
+        Engine(tiny, kv_cache_byte=1 << 20)
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(tiny, base, block_size=12)

@@ -23,7 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from tierkv.connector.config import ConnectorConfig
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState
-from tierkv.connector.requests import prefix_chunks, record_lookup
+from tierkv.connector.requests import located, prefix_chunks, record_lookup
+from tierkv.connector.steps import chunks_to_save, prefix_load
 from tierkv.connector.workflow import Workflows
 from tierkv.storage_backends.keys import ChunkHasher
 from tierkv.storage_backends.store import TieredStore
@@ -129,14 +130,10 @@ class SchedulerSide:
         if tr.waiting is not None and not tr.waiting.due():
             return None
         self.stats.lookups += 1
-        try:
-            keys = part_keys(st.chunks, self.heads)
-            self.names.note([c.key for c in st.chunks])
-            found = self.loop.run(self.store.locate(keys, self.ns), self.lookup_timeout_s)
-            where = chunk_tiers(found, self.heads)
-        except Exception as e:  # a slow or failing store is a miss
-            log.warning("tierkv lookup failed (%r): miss", e)
-            where = [None] * len(st.chunks)
+        self.names.note([c.key for c in st.chunks])
+        keys = part_keys(st.chunks, self.heads)
+        found = located(self.loop, self.store, keys, self.ns, self.lookup_timeout_s)
+        where = chunk_tiers(found, self.heads)
         if tr.waiting is not None:
             ready = tr.waiting.settled(where)
             if ready is None:
@@ -158,20 +155,11 @@ class SchedulerSide:
         tr = self._track(request)
         table = self.groups.table(tables)
         self.pending_tables[request.request_id] = table
-        st, start = tr.state, tr.lookup_from
-        end = start + num_external_tokens
-        idx = [i for i, c in enumerate(st.chunks[: st.present]) if c.end > start and c.start < end]
-        self.pending_loads.append(
-            LoadPlan(
-                request.request_id,
-                table[0],
-                start,
-                end,
-                [st.chunks[i] for i in idx],
-                [st.tiers[i] for i in idx],
-                st.tokens,
-            )
+        start = tr.lookup_from
+        plan = prefix_load(
+            request.request_id, table[0], tr.state, start, start + num_external_tokens
         )
+        self.pending_loads.append(plan)
 
     def sources(self, request: Any, n: int, tier_of: Callable[[bytes, str], str]) -> dict[str, int]:
         """The n tokens vLLM admitted after the lookup's local hit, split by the tier holding
@@ -223,12 +211,7 @@ class SchedulerSide:
         stop, blocks = computed + so.num_scheduled_tokens.get(rid, 0), None
         if tr.handoff and stop >= len(st.tokens):
             meta.handoffs.append(rid)
-        while st.saved_upto < len(st.chunks) and st.chunks[st.saved_upto].end <= stop:
-            c = st.chunks[st.saved_upto]
-            st.saved_upto += 1
-            if c.index < st.present or c.end <= computed:
-                self.stats.save_skipped += 1
-                continue
+        for c in chunks_to_save(st, computed, stop, self.stats):
             if blocks is None:
                 blocks = self._save_table(tr.tables, computed)
             meta.saves.append(SaveSpec(rid, blocks, c, st.tokens[c.start : c.end]))
