@@ -1,23 +1,32 @@
-"""CacheBlend's part encodings compared (`python -m bench.blend_encoding`).
+"""Undeclared parts: documents blended with no declared prefix (`python -m bench.blend_encoding`).
 
 SmolLM2-135M-Instruct in fp32; 4 pydoc pages of about 200 tokens (real text that ships with
-Python), shuffled per question, with no declared prefix; each page's KV stored standalone
-(blend_encoding="standalone": its first token an attention sink) or after the chat preamble
-("preamble", the default). KL of the next-token distribution against full prefill of the same
-tokens at ratios 0 and 0.15, two prompt shapes: "chat" (the chat template's head, computed,
-then the pages and the question) and "bare" (the pages first). Prints a table; writes nothing.
+Python), in 8 seeded shuffled orders over 4 questions, given as parts with no declared prefix,
+as a new user would. Each page's KV is stored standalone (blend_encoding="standalone", the
+default: its first token an attention sink) or after the chat preamble ("preamble"). Two prompt
+shapes: "chat" (the chat template's head, computed every time, then the pages and the question)
+and "bare" (the pages first). Per encoding, shape and rule (ratio 0, CacheBlend at 0.15, and
+the model's calibrated rule when calibrate-blend has run, the goals' rule; else CacheBlend at
+0.15 is): the KL of the first token's
+distribution against full prefill of the same tokens, its ratio to ratio 0's, and the first
+greedy token (of 32) that differs from full prefill's. Baseline: full prefill, same run.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from bench.blend_task import calibrated, first_diff
+from bench.common import goal, parser, print_table, write_results
 from examples.rag_docs import cut, module_doc
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams
+from tierkv.engine.encoding import preamble
 from tierkv.engine.models import pull
 from tierkv.storage_backends.build import TiersConfig
 
@@ -28,16 +37,16 @@ QUESTIONS = [
     "What is the default width of textwrap.TextWrapper?",
     "Which RFC do the uuid objects follow?",
 ]
-RATIOS = [0.0, 0.15]
+TOKENS = 32  # greedy tokens compared
 
 
-def last_logits(llm: LLM, prompt, ratio: float | None) -> torch.Tensor:
+def reply(llm: LLM, prompt: Any, sp: SamplingParams) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the logits the first was sampled from."""
     seen: list[torch.Tensor] = []
-    llm.logits_hooks.append(lambda logits: seen.append(logits[-1].clone()))
-    p = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, blend_ratio=ratio)
-    llm.generate([prompt], p, use_tqdm=False)
+    llm.logits_hooks.append(lambda logits: seen.append(logits[-1].float().clone()))
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
     llm.logits_hooks.clear()
-    return seen[-1]
+    return out.token_ids, seen[-len(out.token_ids)]
 
 
 def kl(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -49,26 +58,26 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> float:
     )
 
 
-def main() -> None:
+def run(orders: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     path = str(pull("smollm2", progress=False))
     cold = LLM(path, dtype="fp32", kv_cache_bytes=64 << 20, enable_prefix_caching=False)
     tok = cold.tokenizer
     assert tok is not None
-
-    def enc(s: str) -> list[int]:
-        return tok.encode(s, add_special_tokens=False)
-
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
     docs = [enc(cut(module_doc(m), lambda s: len(enc(s)), 200) + "\n\n") for m in MODULES]
-    head = list(cold.segment_preamble)
+    head = list(preamble(tok))  # the chat template's head (the "preamble" encoding's too)
     rng = random.Random(0)
-    orders = [rng.sample(range(len(docs)), len(docs)) for _ in QUESTIONS]
-    tails = [enc(f"Question: {q}<|im_end|>\n<|im_start|>assistant\n") for q in QUESTIONS]
-    print(f"pages: {[len(d) for d in docs]} tokens; preamble {len(head)} tokens")
-    rows: dict[tuple[str, str, float], list[float]] = {}
+    cases = [(q, rng.sample(range(len(docs)), len(docs))) for q in QUESTIONS for _ in range(orders)]
+    tails = {q: enc(f"Question: {q}<|im_end|>\n<|im_start|>assistant\n") for q in QUESTIONS}
+    chosen = calibrated()
+    rules: list[tuple[str, float]] = [("cacheblend", 0.0), ("cacheblend", 0.15)]
+    rules += [chosen] if chosen and chosen not in rules else []
+    greedy: dict[str, Any] = dict(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    per: dict[tuple[str, str, str, float], list[tuple[float, int]]] = {}
+    bar = tqdm(total=2 * 2 * len(cases) * (1 + len(rules)), desc="undeclared parts")
     for encoding in ("standalone", "preamble"):
-        conn = TierKVConnector(
-            ConnectorConfig(tiers=TiersConfig(cpu_bytes="256MiB"), segment_admit_after=1)
-        )
+        tiers = TiersConfig(cpu_bytes="256MiB")
+        conn = TierKVConnector(ConnectorConfig(tiers=tiers, segment_admit_after=1))
         llm = LLM(
             path,
             dtype="fp32",
@@ -76,24 +85,81 @@ def main() -> None:
             enable_prefix_caching=False,
             kv_connector=conn,
             blend_encoding=encoding,
+            blend_calibration="off",
         )
         for shape in ("chat", "bare"):
-            for order, tail in zip(orders, tails):
+            for q, order in cases:
                 lead = head if shape == "chat" else []
-                flat = lead + sum((docs[i] for i in order), []) + tail
-                ref = last_logits(cold, flat, None)
+                flat = lead + sum((docs[i] for i in order), []) + tails[q]
+                ref, ref_logits = reply(cold, flat, SamplingParams(**greedy))
+                bar.update()
                 parts = [PromptPart(lead, reusable=False)] if lead else []
-                parts += [PromptPart(docs[i]) for i in order] + [PromptPart(tail, reusable=False)]
-                for r in RATIOS:
-                    got = last_logits(llm, parts, r)
-                    rows.setdefault((shape, encoding, r), []).append(kl(ref, got))
+                parts += [PromptPart(docs[i]) for i in order]
+                parts += [PromptPart(tails[q], reusable=False)]
+                for rule, ratio in rules:
+                    sp = SamplingParams(**greedy, blend_ratio=ratio, blend_rule=rule)
+                    got, logits = reply(llm, parts, sp)
+                    key = (shape, encoding, rule, ratio)
+                    per.setdefault(key, []).append((kl(ref_logits, logits), first_diff(got, ref)))
+                    bar.update()
         conn.close()
-    print("| prompt | encoding | " + " | ".join(f"KL at {r}" for r in RATIOS) + " |")
-    print("|---|---|" + "---|" * len(RATIOS))
-    for shape in ("chat", "bare"):
-        for encoding in ("standalone", "preamble"):
-            cells = [f"{statistics.mean(rows[shape, encoding, r]):.4f}" for r in RATIOS]
-            print(f"| {shape} | {encoding} | " + " | ".join(cells) + " |")
+    bar.close()
+    rows = []
+    for (shape, encoding, rule, ratio), vals in per.items():
+        zero = statistics.mean(k for k, _ in per[shape, encoding, "cacheblend", 0.0])
+        zero_div = statistics.mean(d for _, d in per[shape, encoding, "cacheblend", 0.0])
+        mean_kl = statistics.mean(k for k, _ in vals)
+        div = statistics.mean(d for _, d in vals)
+        rows.append(
+            {
+                "prompt": shape,
+                "encoding": encoding,
+                "rule": f"{rule}@{ratio:g}",
+                "kl": mean_kl,
+                "kl_vs_ratio0": mean_kl / zero if zero else None,
+                "first_diff": div,
+                "first_diff_vs_ratio0": div / zero_div if zero_div else None,
+                "goal": (rule, ratio) == (chosen or ("cacheblend", 0.15)),
+            }
+        )
+    config = {"model": "smollm2 fp32", "pages": MODULES, "page_tokens": [len(d) for d in docs]}
+    config |= {"preamble_tokens": len(head), "questions": len(cases), "greedy_tokens": TOKENS}
+    config |= {"calibrated": list(chosen) if chosen else None}
+    return rows, config
+
+
+def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """KL over ratio 0's per rule, one bar group per prompt shape and encoding."""
+    groups = list(dict.fromkeys((r["prompt"], r["encoding"]) for r in rows))
+    names = list(dict.fromkeys(r["rule"] for r in rows))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ys = [
+            next(
+                (r["kl"] for r in rows if (r["prompt"], r["encoding"], r["rule"]) == (*g, name)), 0
+            )
+            for g in groups
+        ]
+        ax.bar([i + j * width for i in range(len(groups))], ys, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{s}\n{e}" for s, e in groups])
+    ax.set_ylabel("KL(full || blend), first token")
+    ax.legend(fontsize=8)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--orders", type=int, default=2, help="shuffled orders per question")
+    args = p.parse_args()
+    rows, config = run(1 if args.quick else args.orders)
+    print_table(rows)
+    goals = []
+    for r in rows:
+        if r["goal"] and r["encoding"] == "standalone" and r["prompt"] == "chat":
+            goals.append(goal(f"{r['rule']}: KL / ratio 0's", r["kl_vs_ratio0"], "<=", 0.3))
+            div = r["first_diff_vs_ratio0"]
+            goals.append(goal(f"{r['rule']}: first divergence / ratio 0's", div, ">=", 3.0))
+    write_results("blend_encoding", config, rows, goals, lambda ax: plot(ax, rows))
 
 
 if __name__ == "__main__":

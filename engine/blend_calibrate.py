@@ -89,7 +89,7 @@ def calibrate(
         raise FileNotFoundError(f"{src}: no such model file or checkpoint directory")
     digest = model_digest(src)
     common = dict(dtype=cfg.dtype, kv_cache_bytes=384 << 20, blend_calibration="off")
-    full = LLM(str(src), enable_prefix_caching=False, **common)  # type: ignore[arg-type]
+    full = LLM(str(src), enable_prefix_caching=False, **common)
     if full.tokenizer is None:
         raise ValueError(f"{src}: calibration needs the model's tokenizer")
     tok = full.tokenizer
@@ -97,7 +97,7 @@ def calibrate(
     count = lambda s: len(encode(s))
     sample = blend_tasks.tasks(count, cfg.questions, cfg.docs_per, cfg.doc_tokens, cfg.seed)
     prompts = [blend_tasks.prompt(encode, t) for t in sample]
-    blend = LLM(str(src), kv_connector=connector, max_num_batched_tokens=4096, **common)  # type: ignore[arg-type]
+    blend = LLM(str(src), kv_connector=connector, max_num_batched_tokens=4096, **common)
     greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
     ref = [full.generate(flat, greedy, use_tqdm=False)[0] for flat, _ in prompts]
     full_right = sum(blend_tasks.correct(r.text or "", t) for r, t in zip(ref, sample))

@@ -9,8 +9,8 @@ the model file (for a checkpoint directory, inside it), where sha256 is the mode
 - a request that sets blend_ratio (or blend_rule) blends as asked, whatever the calibration;
 - "off": every other prompt in parts blends with the engine's own blend_* knobs;
 - "auto" / a path: with a calibration whose target was met, the calibrated rule and ratio;
-  without one (no file, a model with no cache entry such as random weights, or no candidate
-  met the target) the prompt falls back to prefix reuse: it runs as the plain prompt of its
+  without one (no file, a model with no cache entry such as random weights, no candidate met
+  the target, or, for "auto", a cache entry of an older format version) the prompt falls back to prefix reuse: it runs as the plain prompt of its
   tokens (prefix-cached and stored as any other), and the log says so once.
 Each such response's usage names the choice: "cacheblend@0.15", or "uncalibrated".
 """
@@ -37,6 +37,10 @@ log = logging.getLogger("tierkv.engine")
 FORMAT, VERSION = "tierkv-blend-calibration", 2
 BASE_RULE = "cacheblend"  # the rule blend_ratio alone selects: K deviation at the check layer
 UNCALIBRATED = "uncalibrated"
+
+
+class StaleCalibration(ValueError):
+    """A calibration file of another format version: measured by other rules, so not used."""
 
 
 @dataclass(slots=True)
@@ -82,7 +86,7 @@ class Calibration:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"{where}: not a {FORMAT} file (field 'format')")
         if d.get("version") != VERSION:
-            raise ValueError(f"{where}: version {d.get('version')!r}, expected {VERSION}")
+            raise StaleCalibration(f"{where}: version {d.get('version')!r}, expected {VERSION}")
         sha = _get(d, "model_sha256", str, where)
         if not re.fullmatch(r"[0-9a-f]{64}", sha):
             raise ValueError(f"{where}: 'model_sha256' must be 64 hex digits")
@@ -223,7 +227,10 @@ class BlendGate:
         path = entry(src, digest)
         if not path.exists():
             return cls(mode, None, f"no {path.name} beside the model")
-        return cls(mode, known(load(path, digest), str(path)), str(path))
+        try:
+            return cls(mode, known(load(path, digest), str(path)), str(path))
+        except StaleCalibration as e:
+            return cls(mode, None, f"{e}; calibrate again")
 
     def choose(
         self, config: EngineConfig, params: SamplingParams

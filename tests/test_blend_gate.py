@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tests.serve_helpers import ThreadServer, tiny_checkpoint, words
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM
-from tierkv.engine.blend_gate import Calibration, Trial, entry, load, model_digest
+from tierkv.engine.blend_gate import VERSION, Calibration, Trial, entry, load, model_digest
 from tierkv.storage_backends.build import TiersConfig
 
 SHA = "ab" * 32
@@ -88,6 +88,24 @@ def test_bad_calibration_is_refused_naming_the_field(
     path.write_text("not json {")
     with pytest.raises(ValueError, match="not JSON"):
         load(path, None)
+
+
+def test_an_older_cache_entry_is_no_calibration(tmp_path: Path) -> None:
+    """A cache entry of an earlier format version was measured by other rules: "auto" runs
+    uncalibrated and says to calibrate again; naming the file explicitly still refuses it."""
+    ckpt = tiny_checkpoint(tmp_path / "tiny")
+    digest = model_digest(ckpt)
+    old = good() | {"model_sha256": digest, "version": VERSION - 1}
+    entry(ckpt, digest).write_text(json.dumps(old))
+    llm = LLM(str(ckpt), dtype="fp32", kv_cache_bytes=1 << 22)
+    assert llm.blend_gate.calibration is None and "calibrate again" in llm.blend_gate.where
+    with pytest.raises(ValueError, match=f"version {VERSION - 1}"):
+        LLM(
+            str(ckpt),
+            dtype="fp32",
+            kv_cache_bytes=1 << 22,
+            blend_calibration=str(entry(ckpt, digest)),
+        )
 
 
 def test_another_models_calibration_is_refused(tmp_path: Path) -> None:
