@@ -80,6 +80,7 @@ class Engine:
         block_prefetch: int = 32,
         prefill_mode: str = "chunked",
         layer_groups: int = 0,
+        layered_step_rows: int = 0,
         blend_encoding: str = "standalone",
         blend_calibration: str = "auto",
     ) -> None:
@@ -109,6 +110,7 @@ class Engine:
             block_prefetch=block_prefetch,
             prefill_mode=prefill_mode,
             layer_groups=layer_groups,
+            layered_step_rows=layered_step_rows,
             blend_encoding=blend_encoding,
             blend_calibration=blend_calibration,
         )
