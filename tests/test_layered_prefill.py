@@ -220,7 +220,7 @@ def blend_runs(path, params: SamplingParams, step_rows: int) -> list[tuple[dict,
     return seen
 
 
-@pytest.mark.parametrize("step_rows", [0, 64])
+@pytest.mark.parametrize("step_rows", [0, pytest.param(64, marks=pytest.mark.triton_path)])
 @pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])
 def test_layered_blend_equals_the_blend_alone(blend_ckpt, ratio: float, step_rows: int) -> None:
     """A blend prefill layered over steps, beside decodes, recomputes the same rows and samples
