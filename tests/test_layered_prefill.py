@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.test_hf_match import GREEDY, VOCAB, save_checkpoint
 from tierkv.connector import ConnectorConfig, TierKVConnector
@@ -81,6 +83,15 @@ def test_layered_row_chunks_match_hf(ckpt, prompts, hf_tokens) -> None:
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == hf_tokens
     assert llm.generate([prompts[4]], GREEDY, use_tqdm=False)[0].token_ids == hf_tokens[4]
     llm.check_integrity()
+
+
+@settings(max_examples=6, deadline=None)
+@given(step_rows=st.integers(8, 400), which=st.sampled_from([2, 3, 4]))
+def test_any_row_budget_matches_hf(ckpt, prompts, hf_tokens, step_rows: int, which: int) -> None:
+    """Whatever the step's rows x layers (chunks cut anywhere in a layer, several layers a
+    step, a layer's last chunk and the next layer's first in one step), HF's tokens."""
+    llm = layered(ckpt[0], layered_step_rows=step_rows, enable_prefix_caching=False)
+    assert llm.generate([prompts[which]], GREEDY, use_tqdm=False)[0].token_ids == hf_tokens[which]
 
 
 def test_decodes_advance_every_step_while_rows_are_chunked(ckpt, prompts) -> None:
