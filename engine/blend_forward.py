@@ -20,7 +20,6 @@ ratio 1.0 keeps every row whatever the rule: exactly a full prefill, APE with no
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,6 +28,7 @@ from tierkv.engine import blend_rules
 from tierkv.engine.blend import BlendParams, BlendReport, rows_of
 from tierkv.engine.blend_ape import ape_attention, attention_mass, read, seq_kv
 from tierkv.engine.blend_rules import count, question_rows, sink_rows, top_attended
+from tierkv.engine.tiles import Pace, Work, prefill, qkv_rows, rows_layer
 from tierkv.kernels import AttentionMeta
 
 
@@ -43,15 +43,6 @@ class Kept:
     meta: AttentionMeta
 
 
-def drive(layers: Generator[None, None, torch.Tensor]) -> torch.Tensor:
-    """Run a layer generator to its end; its result."""
-    while True:
-        try:
-            next(layers)
-        except StopIteration as done:
-            return done.value
-
-
 def blend_layers(
     runner,
     ctx,
@@ -60,11 +51,14 @@ def blend_layers(
     segments: list[tuple[int, int, bool]],
     start: int,
     report: BlendReport,
-) -> Generator[None, None, torch.Tensor]:
+    pace: Pace | None = None,
+) -> Work:
     """The blend prefill of the step's only sequence, whose rows are its tokens from start on;
     returns the hidden states of the rows that reach the last layer and points
-    ctx.logits_indices at the last prompt token. It yields after each of the model's layers
-    (a layered prefill runs a group of them a step; drive() runs it in one go)."""
+    ctx.logits_indices at the last prompt token. Piecewise (engine/tiles.py): a layer's rows go
+    in chunks of at most pace.allow (a layer whole by default), except in the layers that rank
+    every row at once (the check layer's ranking, gradual filtering, query_late's pass)."""
+    pace = Pace() if pace is None else pace
     model, conn, n = runner.model, runner.connector, ctx.num_tokens
     cand = rows_of([(a - start, b - start) for a, b in loaded], n)  # cached KV in the blocks
     report.loaded, report.computed = int(cand.sum()), int((~cand).sum())
@@ -72,11 +66,7 @@ def blend_layers(
     if not cand.any() or (params.ratio == 1.0 and rule.rank is None):
         report.recomputed = report.loaded  # nothing loaded, or everything recomputed
         report.full_layers = layers if cand.any() else 0
-        h = model.embed_tokens(ctx.input_ids)
-        for i, one in enumerate(model.layers):
-            h = one(i, h, ctx.positions, runner.attend)
-            yield
-        return h
+        return (yield from prefill(runner, ctx, pace))
     fixed = ~cand
     fixed[n - 1] = True
     if rule.sinks and params.ratio < 1.0:
@@ -177,10 +167,45 @@ def blend_layers(
             keep[rows[top]] = True
         return torch.nonzero(keep).flatten()
 
+    def subset(i: int, h: torch.Tensor) -> Work:
+        """Layer i over the kept rows st (h: theirs), in row chunks of at most pace.allow."""
+        nonlocal st
+        whole, m, a, out = st, st.rows.numel(), 0, h
+        while a < m:
+            b = min(m, a + max(1, pace.allow))
+            if (a, b) != (0, m):
+                st, out = kept(whole.rows[a:b]), h.clone() if out is h else out
+                out[a:b] = model.layers[i](i, h[a:b], st.pos, subset_attend)
+            else:
+                out = model.layers[i](i, h, st.pos, subset_attend)
+            st = whole
+            pace.left -= b - a
+            yield b - a
+            a = b
+        return out
+
+    def finish(c: int, h: torch.Tensor, q: torch.Tensor) -> Work:
+        """The check layer c's attention and MLP for the kept rows st (h and q: every row's),
+        their K/V and every other row's written, in row chunks of at most pace.allow."""
+        nonlocal st
+        whole, m, a, parts = st, st.rows.numel(), 0, []
+        while a < m:
+            b = min(m, a + max(1, pace.allow))
+            st = whole if (a, b) == (0, m) else kept(whole.rows[a:b])
+            sel = st.rows.to(h.device)
+            parts.append(model.layers[c].finish(h[sel], attention(c, q[sel], written)))
+            st = whole
+            pace.left -= b - a
+            yield b - a
+            a = b
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     st, written, late = kept(torch.nonzero(fixed).flatten()), fixed, torch.zeros(0)
     gradual = params.gradual if rule.rank == "cacheblend" and params.metric != "random" else 0
+    pace.left = n * layers
     if rule.rank == "query_late" and 0.0 < params.ratio < 1.0:
         late = late_mass()
+        yield int((~cand).sum() + 1) * params.layer_of_query(layers)
     if rule.rank is None or params.ratio == 0.0:  # only the fixed rows, from layer 0
         st, written, first, gradual = kept(torch.nonzero(fixed).flatten()), fixed, 0, 0
         h = model.embed_tokens(ctx.input_ids[st.rows])
@@ -188,32 +213,36 @@ def blend_layers(
         h = model.embed_tokens(ctx.input_ids)
         c = min(params.check_layer, layers - 1)
         for i in range(c):
-            h = model.layers[i](i, h, ctx.positions, runner.attend)
-            yield
+            h = yield from rows_layer(runner, ctx, i, h, pace)
         # The check layer: fresh K/V of every row (they are exact: every layer before ran in
         # full), but attention and MLP only for the kept rows, the only ones read later on.
         layer = model.layers[c]
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), ctx.positions)
+        q, k, v = yield from qkv_rows(layer, h, ctx.positions, pace)
         keep = fixed | rank(c, q, k, v)
         report.full_layers, first = c, c + 1
         if keep.all():  # everything kept: the rest is an ordinary prefill
             report.recomputed = report.loaded
-            h = layer.finish(h, runner.attend(c, q, k, v))
-            yield
+            pace.left = n * (layers - c)
+            if pace.allow >= n:
+                h = layer.finish(h, runner.attend(c, q, k, v))
+                pace.left -= n
+                yield n
+            else:
+                runner.store(c, k, v)
+                st, written = kept(torch.arange(n)), torch.ones(n, dtype=torch.bool)
+                h = torch.cat([(yield from finish(c, h, q)), h[n:]])  # ctx's padding rows kept
             for i in range(first, layers):
-                h = model.layers[i](i, h, ctx.positions, runner.attend)
-                yield
+                h = yield from rows_layer(runner, ctx, i, h, pace)
             return h
         runner.store(c, k, v)
         st, written = kept(torch.nonzero(keep).flatten()), torch.ones(n, dtype=torch.bool)
-        sel = st.rows.to(h.device)
-        h = layer.finish(h[sel], attention(c, q[sel], written))
+        pace.left = st.rows.numel() * (layers - c)
+        h = yield from finish(c, h, q)
         written = keep
-        yield
     for i in range(first, layers):
+        pace.left = st.rows.numel() * (layers - i)
         if i - first >= gradual:
-            h = model.layers[i](i, h, st.pos, subset_attend)
-            yield
+            h = yield from subset(i, h)
             continue
         # Gradual filtering: fresh K/V of every kept row (written), then attention and MLP
         # only for the rows that stay.
@@ -223,11 +252,13 @@ def blend_layers(
         conn.wait_for_layer_load(i)
         runner.ops.write_kv(k, v, runner.layer_caches[i], st.slots)
         wrote = mask(st.rows)
+        rows = st.rows.numel()
         st = kept(st.rows[sub.to(st.rows.device)])
         sub = sub.to(h.device)
         h = layer.finish(h[sub], attention(i, q[sub], wrote))
         written = mask(st.rows)
-        yield
+        yield rows
+    pace.left = 0
     report.recomputed = int(cand[st.rows.cpu()].sum())
     ctx.logits_indices = torch.tensor([h.shape[0] - 1], device=h.device)
     ctx.num_sampled = 1

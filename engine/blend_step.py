@@ -5,14 +5,14 @@ rest of the core knows only that a sequence may carry a BlendState."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from tierkv.engine.blend import BlendParams, BlendReport
-from tierkv.engine.blend_forward import blend_layers, drive
+from tierkv.engine.blend_forward import blend_layers
+from tierkv.engine.tiles import Pace, Work, drive
 
 if TYPE_CHECKING:
     from tierkv.engine.block_manager import BlockManager
@@ -103,16 +103,14 @@ def blend_prefill(runner: ModelRunner, ctx: Context, seq: Sequence) -> torch.Ten
     return drive(blend_steps(runner, ctx, seq))
 
 
-def blend_steps(
-    runner: ModelRunner, ctx: Context, seq: Sequence
-) -> Generator[None, None, torch.Tensor]:
-    """seq's blend prefill as a generator that yields after each layer (a layered prefill runs
-    a group a step): once the loads are fetched and verified, the loaded ranges are known;
-    their report goes on seq's state."""
+def blend_steps(runner: ModelRunner, ctx: Context, seq: Sequence, pace: Pace | None = None) -> Work:
+    """seq's blend prefill as pieces (engine/tiles.py; a layered prefill runs a step's share of
+    them a step): once the loads are fetched and verified, the loaded ranges are known; their
+    report goes on seq's state."""
     st = seq.blend
     assert st is not None and st.params is not None  # only a blending sequence is out.blend
     runner.connector.wait_for_layer_load(0)
     st.report = BlendReport()
     loaded = runner.connector.get_loaded_ranges(seq.request_id)
     start = seq.num_computed_tokens
-    return blend_layers(runner, ctx, st.params, loaded, st.segments, start, st.report)
+    return blend_layers(runner, ctx, st.params, loaded, st.segments, start, st.report, pace)

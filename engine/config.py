@@ -130,10 +130,14 @@ class EngineConfig:
     # the step's budget, beside the decodes) or "layered" (its whole prompt through a group of
     # layers per step, beside the decodes, which run every layer every step; engine/layered.py)
     prefill_mode: str = "chunked"
-    # Layered prefill: the layer groups a prompt goes in (its steps); 0 = as many layers a step
-    # as keep the step's prefill work within a quarter of a full chunk's (max_num_batched_tokens
-    # tokens through every layer)
+    # Layered prefill: the layer groups a prompt goes in (its steps); 0 = a step's prefill work
+    # (rows x layers) is a quarter of a full chunk's (max_num_batched_tokens tokens through
+    # every layer), a layer's rows split over steps where they exceed it
     layer_groups: int = 0
+    # Layered prefill: the rows x layers a step runs of the prompt (plain or blend), over
+    # layer_groups; 0 = as layer_groups says. A layer whose rows exceed it runs in row chunks
+    # over several steps.
+    layered_step_rows: int = 0
     enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
     # The prefix cache's eviction: "lru" (least recently used leaf first) or "hinted" (the leaf
     # whose next use, by the requests' workflow hints, is farthest first; LRU among equals and
@@ -233,6 +237,8 @@ class EngineConfig:
             )
         if self.layer_groups < 0:
             raise ValueError(f"layer_groups must be >= 0, got {self.layer_groups}")
+        if self.layered_step_rows < 0:
+            raise ValueError(f"layered_step_rows must be >= 0, got {self.layered_step_rows}")
         if self.eviction not in ("lru", "hinted"):
             raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
         if self.blend_encoding not in ("preamble", "standalone"):

@@ -1,24 +1,26 @@
 """The scheduler's side of layered prefill (engine/layered.py has the runner's): which prompt is
-admitted to it, and which layers it runs each step. One prompt at a time; it holds blocks for
-its whole prompt from admission, is the first preempted when blocks run out (its progress is
-dropped: it starts over), and joins the running sequences in its last step, where it samples.
+admitted to it, how much of its work a step holds, and which step is its last. One prompt at a
+time; it holds blocks for its whole prompt from admission, is the first preempted when blocks
+run out (its progress is dropped: it starts over), and joins the running sequences in its last
+step, where it samples.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierkv.engine.blend_step import admit, blending
 from tierkv.engine.schedule_output import SchedulerOutput
 from tierkv.engine.sequence import Sequence, Status
+from tierkv.engine.tiles import Pace, Work
 
 if TYPE_CHECKING:
     import torch
 
+    from tierkv.engine.config import EngineConfig
     from tierkv.engine.context import Context
     from tierkv.engine.scheduler import Scheduler
 
@@ -29,25 +31,29 @@ class Layering:
 
     start: int  # tokens found cached (prefix cache, connector) at admission
     rows: int  # the prompt tokens it computes
-    per_step: int  # layers a step
-    next: int = 0  # the first layer of the next step's group
-    hidden: torch.Tensor | None = None  # [rows, hidden] after layer next-1 (the runner's)
+    work: int  # rows x layers a step runs of it (its pieces' budget)
+    pace: Pace  # its pieces' pace; pace.left (the work's bound on what is left) sets its last step
+    hidden: torch.Tensor | None = None  # its last layer's rows, once its work ended (the runner's)
     ctx: Context | None = None  # its rows' context, built in its first step (the runner's)
-    # a blend prefill's layers (blend_step.blend_steps), started in its first step
-    steps: Generator[None, None, torch.Tensor] | None = None
+    # its prefill as pieces (tiles.prefill, or blend_step.blend_steps), started in its first step
+    steps: Work | None = None
 
 
-SHARE = 4  # auto groups: a step's prefill work is at most 1/SHARE of a full chunk's
+SHARE = 4  # auto: a step's prefill work is at most 1/SHARE of a full chunk's
 
 
-def layers_per_step(rows: int, num_layers: int, budget: int, groups: int) -> int:
-    """groups > 0: the layers split into that many groups; else as many layers as keep a step's
-    prefill work (tokens x layers) within 1/SHARE of a full chunk's (budget tokens through every
+def step_work(rows: int, num_layers: int, c: EngineConfig) -> int:
+    """Rows x layers a step runs of a layered prefill of rows tokens: layered_step_rows when
+    set; else with layer_groups > 0 a group of whole layers (the layers split into that many
+    groups); else 1/SHARE of a full chunk's work (max_num_batched_tokens tokens through every
     layer): the decodes beside it wait a quarter of what a chunk makes them wait, and the
-    prompt's first token comes a few decode steps later than in chunks."""
-    if groups > 0:
-        return math.ceil(num_layers / min(groups, num_layers))
-    return max(1, min(num_layers, budget * num_layers // (SHARE * rows)))
+    prompt's first token comes a few decode steps later than in chunks. A layer whose rows
+    exceed it runs in row chunks over several steps (engine/tiles.py)."""
+    if c.layered_step_rows > 0:
+        return c.layered_step_rows
+    if c.layer_groups > 0:
+        return rows * math.ceil(num_layers / min(c.layer_groups, num_layers))
+    return max(1, c.max_num_batched_tokens * num_layers // SHARE)
 
 
 def blend_layered(sched: Scheduler) -> bool:
@@ -105,24 +111,23 @@ def begin(
         seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = hit, ext
     seq.status = Status.RUNNING
     rows = len(seq) - seq.num_computed_tokens
-    c = sched.config
-    per = layers_per_step(rows, sched.num_layers, c.max_num_batched_tokens, c.layer_groups)
-    seq.layering = Layering(seq.num_computed_tokens, rows, per)
+    work = step_work(rows, sched.num_layers, sched.config)
+    seq.layering = Layering(seq.num_computed_tokens, rows, work, Pace(left=rows * sched.num_layers))
     sched.layering = seq
     out.copies += copies
 
 
 def advance(sched: Scheduler, out: SchedulerOutput) -> None:
-    """The step's group of the layered prefill in flight; in its last, the sequence joins
-    this step's sequences (all its prompt tokens at once) and the running ones."""
+    """The step's share of the layered prefill in flight; in its last (what is left of its work
+    fits the step's), the sequence joins this step's sequences (all its prompt tokens at once)
+    and the running ones."""
     seq = sched.layering
     if seq is None:
         return
     st = seq.layering
     assert st is not None
-    lo, hi = st.next, min(sched.num_layers, st.next + st.per_step)
-    out.layered, st.next = (seq, lo, hi), hi
-    if hi == sched.num_layers:
+    out.layered = seq
+    if st.pace.left <= st.work:
         out.seqs.append(seq)
         out.num_new_tokens.append(st.rows)
         out.blend = seq if blending(seq) else None
@@ -151,7 +156,7 @@ def settle(sched: Scheduler, out: SchedulerOutput, failed_blocks: set[int]) -> N
     that KV); one that finished forgets its state."""
     if out.layered is None:
         return
-    seq = out.layered[0]
+    seq = out.layered
     if sched.layering is seq and any(b in failed_blocks for b in seq.block_table):
         drop(sched)  # a blend starts over as a blend: its loads are planned again
     elif sched.layering is not seq:

@@ -17,9 +17,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     connector_meta: object = None
     blend: Sequence | None = None  # a blend prefill: this step's only sequence
-    # A layered prefill's step (engine/layered.py): its sequence and the layers [lo, hi) it
-    # runs; the sequence is in seqs (last) only in its final step, where it samples.
-    layered: tuple[Sequence, int, int] | None = None
+    # A layered prefill's step (engine/layered.py): its sequence, which runs a step's share of
+    # its work; it is in seqs (last) only in its final step, where it samples.
+    layered: Sequence | None = None
 
     @property
     def num_tokens(self) -> int:
