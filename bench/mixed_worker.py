@@ -50,6 +50,8 @@ def run_arrivals(
 def tierkv_mixed(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     """The mixed run on tierkv's engine (an LLM with a connector that stores segments): blend
     arrivals come as parts (their documents stored ahead, as a RAG service would have them)."""
+    from dataclasses import replace
+
     from tierkv.engine import PromptPart, SamplingParams
 
     docs = [d for a in job["arrivals"] if a["kind"] == "blend" for d in a["parts"]]
@@ -59,7 +61,8 @@ def tierkv_mixed(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
 
     def add(rid: str, a: dict[str, Any]) -> None:
         p = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True)
-        if a["kind"] == "blend":
+        if a["kind"] == "blend":  # a blend whatever the model's calibration says
+            p = replace(p, blend_ratio=0.15)
             q = a["prompt"][sum(len(d) for d in a["parts"]) :]
             parts = [PromptPart(d) for d in a["parts"]] + [PromptPart(q, reusable=False)]
             reqs[rid] = llm.add_request(rid, parts, p)
