@@ -82,6 +82,7 @@ class Engine:
         layer_groups: int = 0,
         blend_encoding: str = "standalone",
         blend_calibration: str = "auto",
+        cascade_attention: bool = True,
     ) -> None:
         self.config = EngineConfig(
             dtype=dtype,
@@ -111,6 +112,7 @@ class Engine:
             layer_groups=layer_groups,
             blend_encoding=blend_encoding,
             blend_calibration=blend_calibration,
+            cascade_attention=cascade_attention,
         )
         net, self.model_config, self.dtype, self.tokenizer = load_model(
             model, self.config.dtype, seed

@@ -12,11 +12,14 @@ Triton one triton_cascade.cascade_decode_triton.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv.kernels.args import LayerCache
 from tierkv.kernels.fp8 import is_fp8, need_scale
+
+if TYPE_CHECKING:  # args.py imports this module (AttentionMeta.cascade)
+    from tierkv.kernels.args import LayerCache
 
 MIN_SHARED_BLOCKS = 1  # whole shared blocks that make a group (see find_groups)
 MIN_MEMBERS = 2
