@@ -11,8 +11,9 @@ Triton one triton_cascade.cascade_decode_triton.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,19 +33,27 @@ class CascadeGroups:
 
     members: list[list[int]]
     shared: list[int]
-    _tensors: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    _made: dict[Any, Any] = field(default_factory=dict)
+
+    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        """make(), once per key for these groups (a kernel's tensors, made on the first layer of
+        a step and kept while the engine keeps the groups)."""
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(members [M], starts [ng + 1], shared [ng]) int64 on device, made once per device."""
-        t = self._tensors.get(device)
-        if t is None:
+        """(members [M], starts [ng + 1], shared [ng]) int64 on device (the C++ op's form)."""
+
+        def make() -> tuple[torch.Tensor, ...]:
             starts = [0]
             for m in self.members:
                 starts.append(starts[-1] + len(m))
             flat = [i for m in self.members for i in m]
-            t = tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (flat, starts, self.shared))
-            self._tensors[device] = t
-        return t  # type: ignore[return-value]
+            cols = (flat, starts, self.shared)
+            return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in cols)
+
+        return self.cached(("cpp", device), make)  # type: ignore[no-any-return]
 
 
 def find_groups(
@@ -89,7 +98,9 @@ def attend_lse(
     [n, Hq]); no keys: zeros and -inf."""
     n, hq, d = q.shape
     if k.shape[0] == 0:
-        return q.new_zeros(n, hq, d, dtype=torch.float32), q.new_full((n, hq), -torch.inf, dtype=torch.float32)
+        return q.new_zeros(n, hq, d, dtype=torch.float32), q.new_full(
+            (n, hq), -torch.inf, dtype=torch.float32
+        )
     g = hq // k.shape[1]
     kk = k.float().repeat_interleave(g, dim=1)  # [T, Hq, D]
     vv = v.float().repeat_interleave(g, dim=1)
@@ -150,3 +161,38 @@ def cascade_decode_ref(
         o, lse = attend_lse(q[i : i + 1], k, v, scale)
         out[i] = merge(o_pre[i : i + 1], lse_pre[i : i + 1], o, lse)[0].to(q.dtype)
     return out
+
+
+def part_items(
+    groups: CascadeGroups, b: int, r: int, keys: int, device: torch.device
+) -> tuple[int, list[torch.Tensor]]:
+    """The Triton cascade's work list (kernels/triton_cascade.py) for a batch of b sequences:
+    (n, [seq [n, r], lead [n], k0 [n], k1 [n], suffix [3, b], slots [b, S]]) int32 on device:
+    n shared-keys items (r sequences of a group, `keys` keys each); the suffix items of
+    the second launch, one per sequence (its index, first key, -1: to its length); each
+    sequence's part slots (-1 padded)."""
+    pre, skip = [], [0] * b
+    for m, p in zip(groups.members, groups.shared):
+        for a in range(0, len(m), r):
+            for k0 in range(0, p, keys):
+                pre.append((m[a : a + r], k0, min(p, k0 + keys)))
+        for i in m:
+            skip[i] = p
+    parts: list[list[int]] = [[] for _ in range(b)]
+    for n, (seqs, _, _) in enumerate(pre):
+        for j, i in enumerate(seqs):
+            parts[i].append(n * r + j)
+    base = len(pre) * r  # the suffix launch's slots come after
+    for i in range(b):
+        parts[i].append(base + i)
+    s = 1 << (max(len(x) for x in parts) - 1).bit_length()
+    rows = [x + [-1] * (r - len(x)) for x, _, _ in pre] or [[-1] * r]
+    cols = [
+        rows,
+        [x[0] for x, _, _ in pre] or [0],
+        [k0 for _, k0, _ in pre] or [0],
+        [k1 for _, _, k1 in pre] or [0],
+        [list(range(b)), skip, [-1] * b],
+        [x + [-1] * (s - len(x)) for x in parts],
+    ]
+    return len(pre), [torch.tensor(c, dtype=torch.int32, device=device) for c in cols]

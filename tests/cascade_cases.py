@@ -20,6 +20,13 @@ class Case:
     groups: CascadeGroups
     scale: float
 
+    def __repr__(self) -> str:  # hypothesis prints failing cases: shapes, not values
+        return (
+            f"Case(q={tuple(self.q.shape)} {self.q.dtype}, cache={tuple(self.cache.k.shape)} "
+            f"{self.cache.k.dtype}, seen={self.seen.tolist()}, groups={self.groups.members} "
+            f"shared={self.groups.shared})"
+        )
+
     def meta(self) -> AttentionMeta:
         """The plain decode's metadata (one query per sequence at its last key), with the
         groups."""
