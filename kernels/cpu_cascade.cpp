@@ -5,10 +5,11 @@
 // log-sum-exp, which is exact: the result is the plain decode's up to fp32 summation order.
 // Registered as torch.ops.tierkv.paged_decode_cascade; kernels/cpu.py builds and loads it.
 //
-// A K/V row of a shared block serves G query heads of each of up to kMaxG / G sequences (a
-// sub-group); a group of more sequences is cut into sub-groups, each reading the shared blocks
-// once. Shared keys run in fp32 math (the bf16 products of cpu_attention_dot.cpp serve at most 8
-// rows); suffix keys take the plain decode's path, bf16 products included.
+// A K/V row of a shared block serves G query heads of each sequence of a sub-group: up to
+// kMaxG / G sequences in the fp32 loop, kDotRows / G where a bf16 cache takes the bf16 products
+// of cpu_attention_dot.cpp (as the plain decode does: G <= 8, head_dim 64 or 128, AVX512-BF16);
+// a group of more sequences is cut into sub-groups, each reading the shared blocks once. Suffix
+// keys take the plain decode's path. Tasks (runs of keys) are taken by the threads in turn.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +18,7 @@
 #include "cpu_vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +30,9 @@ namespace {
 
 using namespace tierkv_vec;
 using namespace tierkv_decode;
+
+constexpr int kDotRows = 8;  // most query rows of the bf16 products (cpu_attention_dot.cpp)
+constexpr int64_t kMinSharedRun = 64;  // keys: shorter shared runs cost more in merging than they save
 
 struct Task {  // keys [k0, k1) of block table `lead`, for one sequence (sub < 0) or a sub-group
   int64_t k0, k1, lead, sub;
@@ -52,7 +57,12 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
          at::Tensor& out) {
   const int b = q.size(0), hq = q.size(1), D = q.size(2);
   const int bs = kc.size(1), hkv = kc.size(2);
-  const int G = hq / hkv, C = D / L, per = std::max(1, kMaxG / G);  // sequences per sub-group
+  const int G = hq / hkv, C = D / L;
+  // bf16 products where the plain decode has them (a stacked group of at most kDotRows rows),
+  // else the fp32 loop's kMaxG rows: sequences per sub-group.
+  constexpr bool bf16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<O, at::BFloat16>;
+  const bool dot = bf16 && G <= kDotRows && dot_fits(G, D);
+  const int per = std::max(1, (dot ? kDotRows : kMaxG) / G);
   const int64_t nblk = ids.size(1), ng = shared.size(0);
   const O* qp = q.data_ptr<O>();
   O* op = out.data_ptr<O>();
@@ -75,13 +85,16 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
         sub_of[mp[j]] = int64_t(sub_at.size()) - 1, row_of[mp[j]] = j - a, skip[mp[j]] = pp[g];
       }
     }
-  // Tasks: each sub-group's shared keys, then each sequence's own, in runs of `chunk` keys.
+  // Tasks: each sub-group's shared keys, then each sequence's own, in runs of `chunk` keys,
+  // shared runs shorter by the sub-group's size: a task then costs about what one sequence's
+  // run does (its rows times its keys).
   std::vector<Task> tasks;
   std::vector<int64_t> sub_first(sub_at.size() + 1), seq_first(b + 1);
   for (size_t s = 0; s < sub_at.size(); ++s) {
     sub_first[s] = tasks.size();
-    for (int64_t k0 = 0; k0 < sub_p[s]; k0 += chunk)
-      tasks.push_back({k0, std::min(sub_p[s], k0 + chunk), mp[sub_at[s]], int64_t(s)});
+    const int64_t run = std::max<int64_t>(kMinSharedRun, chunk / sub_n[s]);
+    for (int64_t k0 = 0; k0 < sub_p[s]; k0 += run)
+      tasks.push_back({k0, std::min(sub_p[s], k0 + run), mp[sub_at[s]], int64_t(s)});
   }
   sub_first[sub_at.size()] = tasks.size();
   for (int i = 0; i < b; ++i) {
@@ -94,20 +107,32 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   const int rows = std::max(G, per * G);
   thread_local Workspace ws;
   Partial* parts = ws.get(tasks.size() * hkv, rows, C);
-  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
+  // Threads take tasks in turn (the shared ones, the largest, first): the tasks differ in cost,
+  // and a static split could give one thread every shared run.
+  std::atomic<int64_t> next{0};
+  const int64_t ntask = int64_t(tasks.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::unique_ptr<V[]> qv(new V[size_t(hkv) * rows * C]);
-    for (int64_t t = lo; t < hi; ++t) {
+    std::unique_ptr<at::BFloat16[]> qb(new at::BFloat16[dot ? size_t(hkv) * rows * D : 0]);
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntask;) {
       const Task& tk = tasks[t];
       Partial* p = &parts[t * hkv];
       const int64_t* blocks = ip + tk.lead * nblk;
       const int n = tk.sub < 0 ? 1 : int(sub_n[tk.sub]);
-      if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<O, at::BFloat16>) {
-        if (tk.sub < 0 && attend_dot(qp + tk.lead * hq * D, G, D, hkv, reinterpret_cast<const at::BFloat16*>(kp),
-                                     reinterpret_cast<const at::BFloat16*>(vp), blocks, tk.k0, tk.k1, bs,
-                                     float(scale), p))
+      // Rows of KV head h: (member r, query head g of h's group) at h * n * G + r * G + g.
+      if constexpr (bf16) {
+        const at::BFloat16* qs = qp + tk.lead * hq * D;  // one sequence: its rows as they are
+        if (tk.sub >= 0 && dot) {
+          for (int r = 0; r < n; ++r)
+            for (int hd = 0; hd < hq; ++hd)
+              std::memcpy(qb.get() + ((hd / G) * n * G + r * G + hd % G) * D,
+                          qp + (mp[sub_at[tk.sub] + r] * hq + hd) * D, D * sizeof(at::BFloat16));
+          qs = qb.get();
+        }
+        if (attend_dot(qs, n * G, D, hkv, reinterpret_cast<const at::BFloat16*>(kp),
+                       reinterpret_cast<const at::BFloat16*>(vp), blocks, tk.k0, tk.k1, bs, float(scale), p))
           continue;
       }
-      // Rows of KV head h: (member r, query head g of h's group) at h * n * G + r * G + g.
       for (int r = 0; r < n; ++r) {
         const int64_t i = tk.sub < 0 ? tk.lead : mp[sub_at[tk.sub] + r];
         for (int hd = 0; hd < hq; ++hd) {

@@ -146,6 +146,9 @@ void attend(const V* q, int G, int C, int hkv, const T* kc, const T* vc, const i
 bool attend_dot(const at::BFloat16* q, int G, int D, int hkv, const at::BFloat16* kc, const at::BFloat16* vc,
                 const int64_t* blocks, int64_t k0, int64_t k1, int bs, float scale, Partial* p);
 
+// True where attend_dot serves G query rows per KV head of head_dim D on this build.
+bool dot_fits(int G, int D);
+
 // paged_decode's argument checks (cpu_attention.cpp): shapes, dtypes, contiguity, fp8 extras;
 // undefined ks, vs, lt where the cache is not fp8.
 void check_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
