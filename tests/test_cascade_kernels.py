@@ -90,9 +90,20 @@ def test_a_wrong_merge_fails(monkeypatch):
         torch.testing.assert_close(bad, plain_ref(c), **tol(torch.float32))
 
 
-def test_cpp_reads_shared_blocks_once_per_subgroup():
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forty_sequences_in_sub_groups(heads, dtype):
+    # 40 sequences sharing 100 keys: cut into sub-groups of 16 // G (8 // G on bf16 products).
+    g = torch.Generator().manual_seed(heads[0])
+    suffix = torch.randint(0, 40, (40,), generator=g).tolist()
+    c = make_case(7, [100], [40], suffix, heads, 16, dtype)
+    want = cpu.paged_decode(c.q, c.cache, c.ids, c.seen, c.scale, 64)
+    torch.testing.assert_close(cascade_op(c, 64), want, **tol(dtype))
+
+
+def test_op_refuses_a_member_with_other_blocks():
     # The shared keys are read through the group leader's table: a member whose own table
-    # points elsewhere for them gives the leader's keys, so the op must refuse it (it checks).
+    # points elsewhere for them would get the leader's keys, so the op refuses it.
     c = make_case(2, [64], [3], [5, 5, 5], (4, 2, 64), 16, torch.float32)
     c.ids[1, 0] = c.ids[2, 3]
     with pytest.raises(RuntimeError, match="same blocks"):
