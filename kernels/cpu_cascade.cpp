@@ -121,17 +121,19 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
       const int n = tk.sub < 0 ? 1 : int(sub_n[tk.sub]);
       // Rows of KV head h: (member r, query head g of h's group) at h * n * G + r * G + g.
       if constexpr (bf16) {
-        const at::BFloat16* qs = qp + tk.lead * hq * D;  // one sequence: its rows as they are
-        if (tk.sub >= 0 && dot) {
-          for (int r = 0; r < n; ++r)
-            for (int hd = 0; hd < hq; ++hd)
-              std::memcpy(qb.get() + ((hd / G) * n * G + r * G + hd % G) * D,
-                          qp + (mp[sub_at[tk.sub] + r] * hq + hd) * D, D * sizeof(at::BFloat16));
-          qs = qb.get();
+        if (tk.sub < 0 || dot) {  // one sequence: its rows as they are; a sub-group: stacked
+          const at::BFloat16* qs = qp + tk.lead * hq * D;
+          if (tk.sub >= 0) {
+            for (int r = 0; r < n; ++r)
+              for (int hd = 0; hd < hq; ++hd)
+                std::memcpy(qb.get() + ((hd / G) * n * G + r * G + hd % G) * D,
+                            qp + (mp[sub_at[tk.sub] + r] * hq + hd) * D, D * sizeof(at::BFloat16));
+            qs = qb.get();
+          }
+          if (attend_dot(qs, n * G, D, hkv, reinterpret_cast<const at::BFloat16*>(kp),
+                         reinterpret_cast<const at::BFloat16*>(vp), blocks, tk.k0, tk.k1, bs, float(scale), p))
+            continue;
         }
-        if (attend_dot(qs, n * G, D, hkv, reinterpret_cast<const at::BFloat16*>(kp),
-                       reinterpret_cast<const at::BFloat16*>(vp), blocks, tk.k0, tk.k1, bs, float(scale), p))
-          continue;
       }
       for (int r = 0; r < n; ++r) {
         const int64_t i = tk.sub < 0 ? tk.lead : mp[sub_at[tk.sub] + r];
