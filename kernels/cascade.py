@@ -4,9 +4,9 @@ shared keys once per step, all their queries together, and over their own suffix
 the two partial results are merged by log-sum-exp, which is exact (up to summation order).
 
 This module holds the groups (CascadeGroups), how they are found in a batch's block tables
-(find_groups) and the torch reference (cascade_decode_ref), which computes each part as its own
-attention with its log-sum-exp and merges them; the C++ kernel is cpu.paged_decode_cascade, the
-Triton one triton_cascade.cascade_decode_triton.
+(find_groups), the torch reference (cascade_decode_ref), which computes each part as its own
+attention with its log-sum-exp and merges them, and the Triton kernel's work list (part_items);
+the C++ kernel is cpu.paged_decode_cascade, the Triton one triton_cascade.cascade_decode_triton.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class CascadeGroups:
 
     members: list[list[int]]
     shared: list[int]
-    _made: dict[Any, Any] = field(default_factory=dict)
+    _made: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def cached(self, key: Any, make: Callable[[], Any]) -> Any:
         """make(), once per key for these groups (a kernel's tensors, made on the first layer of

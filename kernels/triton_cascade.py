@@ -5,7 +5,8 @@ output and log-sum-exp, and a second kernel merges each sequence's parts by log-
 
 Items: a program (item, KV head) owns up to R sequences' rows (R * G_PAD <= BLOCK_M) and a key
 range [k0, k1) of one block table; shared keys come in runs of PREFIX_KEYS so a few long prefixes
-still fill the device. Items are made on the host from the groups once (cached on them).
+still fill the device. The items come from the groups on the host, once
+(kernels/cascade.part_items, cached on the groups).
 """
 
 from __future__ import annotations
