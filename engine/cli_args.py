@@ -62,6 +62,12 @@ def engine_options() -> argparse.ArgumentParser:
         help="turn off the engine's automatic prefix caching (default: on)",
     )
     g.add_argument(
+        "--no-cascade-attention",
+        action="store_true",
+        help="decode every sequence over its whole context, shared prefix blocks included "
+        "(default: a prefix shared by several decoding sequences is read once per step)",
+    )
+    g.add_argument(
         "--eviction",
         choices=("lru", "hinted"),
         default=knob_default(ec, "eviction"),

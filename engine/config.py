@@ -151,6 +151,11 @@ class EngineConfig:
     # own loads) and indexed in the prefix cache as if computed; only blocks free beyond what
     # the queued and running sequences may need. 0: off (the prompt waits in the local tier).
     block_prefetch: int = 32
+    # Decode steps: sequences whose block tables start with the same blocks (a prompt prefix
+    # shared through the prefix cache) read those keys once per step for all of them (cascade
+    # attention, kernels/cascade.py) where the C++ decode kernel or the Triton kernel serves
+    # the step; off: every sequence reads its whole context.
+    cascade_attention: bool = True
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
     # Linear layers compute in: "auto" = fp32 for bf16/fp16 weights on a CPU without native

@@ -13,6 +13,7 @@ from tierkv.engine.context import Context, PagedBatch, bucket
 from tierkv.engine.scheduler import SchedulerOutput
 from tierkv.engine.sequence import Sequence
 from tierkv.kernels import AttentionMeta, cpu
+from tierkv.kernels.cascade import CascadeGroups, find_groups
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class Tables:
     tables: torch.Tensor  # int32 [B, width], -1 padded (AttentionMeta.block_tables)
     ids: torch.Tensor  # int64 [B, nblk], padding clamped to a valid id (the C++ decode kernel)
     cu: torch.Tensor  # int32 [B + 1]: one query row per sequence
+    cascade: CascadeGroups | None  # sequences sharing leading blocks; None: none or off
 
 
 @dataclass(slots=True)
@@ -35,6 +37,7 @@ class DecodeContexts:
     one_decode_group: bool  # the C++ decode kernel serves every decode in one call
     triton: bool  # the Triton kernel serves the whole step
     device: torch.device
+    cascade: bool = False  # look for shared leading blocks (EngineConfig.cascade_attention)
     last: Tables | None = None
 
     def build(self, out: SchedulerOutput) -> Context | None:
@@ -61,9 +64,10 @@ class DecodeContexts:
         ).to(dev)
         lens = rows[3, :b]
         top = max(pos) + 1
-        t = self._tables(seqs, -(-top // bs))
+        t = self._tables(seqs, -(-top // bs), [p + 1 for p in pos])
         q_pos = rows[1, :b].to(torch.int32)
-        full = PagedBatch(None, AttentionMeta(t.tables, lens.to(torch.int32), t.cu, q_pos, 1, top))
+        meta = AttentionMeta(t.tables, lens.to(torch.int32), t.cu, q_pos, 1, top, t.cascade)
+        full = PagedBatch(None, meta)
         decode = None
         if not self.triton:
             decode = (t.ids, lens, cpu.decode_chunk(sum(pos) + b))
@@ -82,7 +86,10 @@ class DecodeContexts:
             block_ids=t.block_ids,
         )
 
-    def _tables(self, seqs: list[Sequence], nblk: int) -> Tables:
+    def _tables(self, seqs: list[Sequence], nblk: int, seen: list[int]) -> Tables:
+        """The step's tables, and its cascade groups: found from the keys seen now, they stay
+        right while the tables do (the keys seen only grow, and a decode writes into a block of
+        its own: the block manager copies a shared one first)."""
         block_ids = [list(s.block_table) for s in seqs]
         last = self.last
         if last is not None and last.nblk == nblk and last.block_ids == block_ids:
@@ -93,5 +100,7 @@ class DecodeContexts:
         ids = tables[:, :nblk].long().clamp(0, self.num_blocks - 1)
         cu = torch.arange(len(seqs) + 1, dtype=torch.int32)
         dev = self.device
-        self.last = Tables(block_ids, nblk, tables.to(dev), ids.to(dev), cu.to(dev))
+        groups = find_groups(block_ids, seen, self.block_size) if self.cascade else None
+        cascade = groups if groups is not None and groups.members else None
+        self.last = Tables(block_ids, nblk, tables.to(dev), ids.to(dev), cu.to(dev), cascade)
         return self.last

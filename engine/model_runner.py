@@ -96,6 +96,7 @@ class ModelRunner:
             self.one_decode_group,
             self.ops.backend == "triton",
             device,
+            config.cascade_attention,
         )
         self.scale = cfg.head_dim**-0.5
         self.ctx: Context | None = None
@@ -145,7 +146,13 @@ class ModelRunner:
         self.store(layer, k, v)
         if ctx.decode is not None:  # decodes only: straight to the C++ kernel
             ids, seen, chunk = ctx.decode
-            o = cpu.paged_decode(q[:n], cache, ids, seen, self.scale, chunk)
+            groups = ctx.all.meta.cascade
+            if groups is None:
+                o = cpu.paged_decode(q[:n], cache, ids, seen, self.scale, chunk)
+            else:  # shared leading blocks read once per group (kernels/cascade.py)
+                o = cpu.paged_decode_cascade(
+                    q[:n], cache, ids, seen, self.scale, groups.tensors(ids.device), chunk
+                )
             if n == q.shape[0]:
                 return o
             out = torch.zeros_like(q)

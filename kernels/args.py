@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierkv.kernels.cascade import CascadeGroups
 from tierkv.kernels.fp8 import is_fp8
 
 INTS = (torch.int32, torch.int64)
@@ -59,7 +60,10 @@ class AttentionMeta:
     """Which keys each query sees: rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q belong to
     sequence b, whose keys [0, seq_lens[b]) lie in the blocks of block_tables[b]; the query at
     position p sees keys j <= p. Int tensors on q's device. max_seqlen_q/k are optional hints
-    (they save a device sync when the Triton path chooses split-K)."""
+    (they save a device sync when the Triton path chooses split-K). cascade: for a batch of
+    decodes only (one query per sequence, at its last key), groups of sequences whose block
+    tables share leading blocks (kernels/cascade.py); the decode kernels that serve it read the
+    shared keys once per group, the others ignore it (the result is the same)."""
 
     block_tables: torch.Tensor  # [B, max_blocks]
     seq_lens: torch.Tensor  # [B]
@@ -67,6 +71,7 @@ class AttentionMeta:
     q_positions: torch.Tensor  # [Nq] absolute positions
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    cascade: CascadeGroups | None = None
 
 
 def check_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMeta) -> None:

@@ -2,8 +2,9 @@
 library: decode attention (cpu_attention.cpp) that reads K and V in place from the paged
 cache, prefill attention (cpu_prefill.cpp; bf16 products on CPUs with AVX512-BF16 in
 cpu_prefill_dot.cpp), RoPE in one pass and the KV write (cpu_ops.cpp; RoPE bit-identical to the
-torch expression in rope.py), RMSNorm and SiLU-and-mul (cpu_layer.cpp), and few-row linear layers
-over bf16 weights (cpu_gemv.cpp).
+torch expression in rope.py), cascade decode attention that reads a prefix shared by several
+sequences once (cpu_cascade.cpp), RMSNorm and SiLU-and-mul (cpu_layer.cpp), and few-row linear
+layers over bf16 weights (cpu_gemv.cpp).
 
 The torch reference gathers every decode sequence's blocks into scratch before SDPA reads
 them, so it moves the KV three times; the decode kernel reads it once. Where the library
@@ -40,8 +41,9 @@ PREFILL_H = SOURCE.with_name("cpu_prefill.h")  # the driver both prefill paths s
 GEMV = SOURCE.with_name("cpu_gemv.cpp")  # and torch.ops.tierkv.gemv_bf16
 DECODE_DOT = SOURCE.with_name("cpu_attention_dot.cpp")  # the decode's bf16 products (AVX512-BF16)
 DECODE_H = SOURCE.with_name("cpu_decode.h")
+CASCADE = SOURCE.with_name("cpu_cascade.cpp")  # and torch.ops.tierkv.paged_decode_cascade
 # the library's translation units
-BUILT = (SOURCE, DECODE_DOT, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)
+BUILT = (SOURCE, DECODE_DOT, CASCADE, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)
 # Keys per decode task: at least this many, and at most enough for ~4 tasks per thread. Equal
 # tasks keep the threads balanced and split a few long contexts (split-K); longer ones merge fewer
 # runs: 8 x 700 keys, bf16, 2 threads: 14 GB/s of KV read with 512-key tasks, 18 with one per
@@ -213,6 +215,41 @@ def paged_decode(
         cache.v_scale if fp8 else None,
         _fp8_table() if fp8 else None,
         decode_chunk(int(seen.sum())) if chunk is None else chunk,
+    )
+
+
+def paged_decode_cascade(
+    q: torch.Tensor,
+    cache: LayerCache,
+    ids: torch.Tensor,
+    seen: torch.Tensor,
+    scale: float,
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """paged_decode with shared prefixes read once: groups = (members [M], starts [ng + 1],
+    shared [ng]), int64 CPU tensors: group g is the sequences members[starts[g]:starts[g+1]],
+    which all hold the same block ids for keys [0, shared[g]); those keys are read once per
+    sub-group of at most 16 // G sequences, each member's keys [shared[g], seen[i]) on their own,
+    and the two parts merged by log-sum-exp. chunk: keys per task, decode_chunk(seen.sum())
+    where None.
+
+    Contract: paged_decode's. The op checks the groups (indices, each member seeing the shared
+    keys through the leader's block ids) before any read: a RuntimeError otherwise."""
+    fp8 = cache.fp8
+    kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if fp8 else (cache.k, cache.v)
+    return torch.ops.tierkv.paged_decode_cascade(
+        q.contiguous(),
+        kc,
+        vc,
+        ids,
+        seen,
+        scale,
+        cache.k_scale if fp8 else None,
+        cache.v_scale if fp8 else None,
+        _fp8_table() if fp8 else None,
+        decode_chunk(int(seen.sum())) if chunk is None else chunk,
+        *groups,
     )
 
 

@@ -26,98 +26,7 @@
 namespace {
 
 using namespace tierkv_vec;
-using tierkv_decode::Partial;
-using tierkv_decode::reset;
-using tierkv_decode::walk_tiles;
-
-// Vectors of one register: W floats (16 on AVX-512, 8 on AVX2, where GCC splits a 16-float
-// vector into halves it spills), and tiles of W tokens.
-using V = vfw;
-constexpr int L = W;
-constexpr int kMaxC = 256 / L;  // head_dim / L
-constexpr int kMaxG = 16;  // query heads per KV head
-
-// Storage of the Partials, per calling thread and reused across calls: a fresh multi-MiB
-// buffer per layer call would cost more in page faults than the attention itself.
-struct Workspace {
-  std::vector<float> ml;
-  std::vector<V> acc;
-  std::vector<Partial> parts;
-
-  Partial* get(size_t n, int G, int C) {
-    if (ml.size() < n * 2 * G) ml.resize(n * 2 * G);
-    if (acc.size() < n * G * C) acc.resize(n * G * C);
-    parts.resize(n);
-    for (size_t i = 0; i < n; ++i) parts[i] = {&ml[i * 2 * G], &ml[i * 2 * G + G], &acc[i * G * C]};
-    return parts.data();
-  }
-};
-
-// n <= L tokens of one KV head (rows at k and v, `row` elements apart) into p. q is
-// [G, C] vectors, already scaled. k_next/v_next: the same rows kAhead blocks later, prefetched
-// one row per token (a burst of a whole block's prefetches at once was dropped, measured).
-// CT: C known at compile time (0: take the argument), so the common head dims get fully
-// unrolled row loops; FULL: n == L (every tile of a full
-// block), so the token loops unroll too.
-template <int CT, bool FULL, typename T>
-void attend_tile(const V* q, int G, int C_, const T* k, const T* v, const T* k_next, const T* v_next,
-                 int64_t row, int n_, const float* lut, Partial& p) {
-  const int C = CT ? CT : C_;
-  const int n = FULL ? L : n_;
-  V x[kMaxG][L], kr[kMaxC], vr[L][kMaxC];
-  for (int t = 0; t < n; ++t) {
-    for (int o = 0; o < C * L * int(sizeof(T)); o += 64) {  // a row of a later block, into L2
-      __builtin_prefetch(reinterpret_cast<const char*>(k_next + t * row) + o, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(v_next + t * row) + o, 0, 2);
-    }
-    for (int c = 0; c < C; ++c) kr[c] = loadw(k + t * row + c * L, lut);
-    for (int g = 0; g < G; ++g) {
-      V a = q[g * C] * kr[0];
-      for (int c = 1; c < C; ++c) a += q[g * C + c] * kr[c];
-      x[g][t] = a;
-    }
-  }
-  for (int t = 0; t < n; ++t)
-    for (int c = 0; c < C; ++c) vr[t][c] = loadw(v + t * row + c * L, lut);
-  viw lane;
-  for (int i = 0; i < L; ++i) lane[i] = i;
-  for (int g = 0; g < G; ++g) {
-    if (!FULL)
-      for (int t = n; t < L; ++t) x[g][t] = V{};
-    V s = sum_rows_w(x[g]);
-    if (!FULL) s = lane < n ? s : (V{} - kInf);
-    const float mx = std::max(p.m[g], reduce_w(s, [](V a, V b) { return a > b ? a : b; }));
-    alignas(64) float w[L];
-    const V e = vexp(s - mx);
-    std::memcpy(w, &e, sizeof e);
-    const float corr = std::exp(p.m[g] - mx);  // the first tile: exp(-inf) = 0
-    p.l[g] = p.l[g] * corr + reduce_w(e, [](V a, V b) { return a + b; });
-    p.m[g] = mx;
-    for (int c = 0; c < C; ++c) {
-      V a = p.acc[g * C + c] * corr;
-      for (int t = 0; t < n; ++t) a += w[t] * vr[t][c];
-      p.acc[g * C + c] = a;
-    }
-  }
-}
-
-// Keys [k0, k1) of one sequence, every KV head, into p[0..hkv); q is [hkv * G, C] vectors.
-// Each tile prefetches its rows' counterparts kAhead blocks later (walk_tiles).
-template <int CT, typename T>
-void attend(const V* q, int G, int C, int hkv, const T* kc, const T* vc, const int64_t* blocks,
-            int64_t k0, int64_t k1, int bs, const float* lut, Partial* p) {
-  reset(p, hkv, G, C);
-  const int64_t row = int64_t(hkv) * C * L;  // elements between tokens of a block
-  walk_tiles<L>(blocks, k0, k1, bs, row, [&](int64_t base, int64_t next, int n) {
-    for (int h = 0; h < hkv; ++h) {
-      const int64_t at = base + h * C * L, nat = next < 0 ? at : next + h * C * L;  // no later block: the tile
-      if (n == L)
-        attend_tile<CT, true>(q + h * G * C, G, C, kc + at, vc + at, kc + nat, vc + nat, row, n, lut, p[h]);
-      else
-        attend_tile<CT, false>(q + h * G * C, G, C, kc + at, vc + at, kc + nat, vc + nat, row, n, lut, p[h]);
-    }
-  });
-}
+using namespace tierkv_decode;
 
 template <typename T, typename O>
 void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
@@ -208,13 +117,13 @@ void by_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, c
     run<O, O>(q, kc, vc, ids, seen, scale, ks, vs, lut, chunk, out);
 }
 
-// q [b, Hq, D]; k/v cache [nb, bs, Hkv, D] in q's dtype, or uint8 (fp8 bytes) with lut [256]
-// and per-head scales; ids [b, nblk] int64 valid block ids; seen [b] int64 keys visible to
-// each query (a prefix of its blocks). The caller (cpu_attention.py) checks all of this.
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
-                        const at::Tensor& seen, double scale, const c10::optional<at::Tensor>& k_scale,
-                        const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lut,
-                        int64_t chunk) {
+}  // namespace
+
+namespace tierkv_decode {
+
+void check_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
+                  const at::Tensor& seen, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& lt,
+                  int64_t chunk) {
   TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(3) == q.size(2) &&
                   q.size(1) % kc.size(2) == 0,
               "paged_decode: q [b, Hq, D], caches [num_blocks, block_size, Hkv, D] with Hq a multiple of Hkv");
@@ -226,9 +135,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && ids.is_contiguous() &&
                   seen.is_contiguous() && chunk >= 1,
               "paged_decode: contiguous tensors and chunk >= 1");
-  at::Tensor out = at::empty_like(q);
-  at::Tensor ks = k_scale.value_or(at::Tensor()), vs = v_scale.value_or(at::Tensor());
-  at::Tensor lt = lut.value_or(at::Tensor());
   const bool fp8 = lt.defined();
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && kc.scalar_type() == (fp8 ? at::kByte : q.scalar_type()),
               "paged_decode: caches in q's dtype, or uint8 (fp8 bytes) with a lut");
@@ -236,6 +142,23 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Ten
                        ks.numel() == kc.size(2) && vs.numel() == kc.size(2) && ks.scalar_type() == at::kFloat &&
                        vs.scalar_type() == at::kFloat && ks.is_contiguous() && vs.is_contiguous()),
               "paged_decode: fp8 caches need a float lut [256] and float k/v scales [Hkv]");
+}
+
+}  // namespace tierkv_decode
+
+namespace {
+
+// q [b, Hq, D]; k/v cache [nb, bs, Hkv, D] in q's dtype, or uint8 (fp8 bytes) with lut [256]
+// and per-head scales; ids [b, nblk] int64 valid block ids; seen [b] int64 keys visible to
+// each query (a prefix of its blocks). The caller (cpu_attention.py) checks all of this.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& ids,
+                        const at::Tensor& seen, double scale, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lut,
+                        int64_t chunk) {
+  at::Tensor ks = k_scale.value_or(at::Tensor()), vs = v_scale.value_or(at::Tensor());
+  at::Tensor lt = lut.value_or(at::Tensor());
+  check_decode(q, kc, vc, ids, seen, ks, vs, lt, chunk);
+  at::Tensor out = at::empty_like(q);
   switch (q.scalar_type()) {
     case at::kFloat: by_cache<float>(q, kc, vc, ids, seen, scale, ks, vs, lt, chunk, out); break;
     case at::kBFloat16: by_cache<at::BFloat16>(q, kc, vc, ids, seen, scale, ks, vs, lt, chunk, out); break;

@@ -119,13 +119,17 @@ constexpr AttendFn kByG[8] = {attend<1, C2>, attend<2, C2>, attend<3, C2>, atten
 
 }  // namespace
 
+bool dot_fits(int G, int D) { return G >= 1 && G <= 8 && (D == 64 || D == 128); }
+
 bool attend_dot(const at::BFloat16* q, int G, int D, int hkv, const at::BFloat16* kc, const at::BFloat16* vc,
                 const int64_t* blocks, int64_t k0, int64_t k1, int bs, float scale, Partial* p) {
-  if (G < 1 || G > 8 || (D != 64 && D != 128)) return false;
+  if (!dot_fits(G, D)) return false;
   (D == 64 ? kByG<2> : kByG<4>)[G - 1](q, hkv, kc, vc, blocks, k0, k1, bs, scale, p);
   return true;
 }
 #else
+bool dot_fits(int, int) { return false; }
+
 bool attend_dot(const at::BFloat16*, int, int, int, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
                 int64_t, int, float, Partial*) {
   return false;

@@ -205,7 +205,8 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as paged_attention_ref. num_splits forces the split-K mode (a power of 2)."""
+    """Same contract as paged_attention_ref. num_splits forces the split-K mode (a power of 2).
+    A decode batch with cascade groups (meta.cascade) goes to kernels/triton_cascade.py."""
     check_values(q, cache, meta)
     k_cache, v_cache = cache.k, cache.v
     bt, lens, cu = meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
@@ -217,6 +218,10 @@ def paged_attention_triton(
         return out
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q and the caches need a contiguous head dim")
+    if meta.cascade is not None and meta.max_seqlen_q == 1 and nq == b and num_splits is None:
+        from tierkv.kernels.triton_cascade import cascade_decode_triton
+
+        return cascade_decode_triton(q, cache, meta, scale)
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
     max_q = meta.max_seqlen_q
