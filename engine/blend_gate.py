@@ -10,8 +10,9 @@ the model file (for a checkpoint directory, inside it), where sha256 is the mode
 - "off": every other prompt in parts blends with the engine's own blend_* knobs;
 - "auto" / a path: with a calibration whose target was met, the calibrated rule and ratio;
   without one (no file, a model with no cache entry such as random weights, no candidate met
-  the target, or, for "auto", a cache entry of an older format version) the prompt falls back to prefix reuse: it runs as the plain prompt of its
-  tokens (prefix-cached and stored as any other), and the log says so once.
+  the target, or, for "auto", a cache entry of an older format version) the prompt falls back
+  to prefix reuse: it runs as the plain prompt of its tokens (prefix-cached and stored as any
+  other), and the log says so once.
 Each such response's usage names the choice: "cacheblend@0.15", or "uncalibrated".
 """
 
