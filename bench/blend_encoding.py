@@ -9,7 +9,7 @@ and "bare" (the pages first). Per encoding, shape and rule (ratio 0, CacheBlend 
 the model's calibrated rule when calibrate-blend has run, the goals' rule; else CacheBlend at
 0.15 is): the KL of the first token's
 distribution against full prefill of the same tokens, its ratio to ratio 0's, and the first
-greedy token (of 32) that differs from full prefill's. Baseline: full prefill, same run.
+greedy token (of 64) that differs from full prefill's. Baseline: full prefill, same run.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ QUESTIONS = [
     "What is the default width of textwrap.TextWrapper?",
     "Which RFC do the uuid objects follow?",
 ]
-TOKENS = 32  # greedy tokens compared
+TOKENS = 64  # greedy tokens compared: room for a divergence 3x later than ratio 0's
 
 
 def reply(llm: LLM, prompt: Any, sp: SamplingParams) -> tuple[list[int], torch.Tensor]:

@@ -60,13 +60,19 @@ def complete(url: str, prompt: list[int], stream: bool = False) -> tuple[str, di
         if not stream:
             out = json.loads(r.read())
             return out["choices"][0]["text"], out["usage"]
-        text, usage = "", {}
+        text, usage, finished = "", {}, None
         for line in r:
             line = line.strip()
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 chunk = json.loads(line[6:])
                 text += "".join(c["text"] for c in chunk["choices"])
+                finished = next(
+                    (c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")),
+                    finished,
+                )
                 usage = chunk.get("usage") or usage
+        if finished is None:  # the stream was cut (a replica died behind the router)
+            raise ConnectionError(f"stream ended without a finish_reason after {text!r}")
         return text, usage
 
 
