@@ -58,11 +58,13 @@ class TierKV:
         knobs = job.get("engine", {})
         key = json.dumps(knobs, sort_keys=True)
         if key not in self.rag:
-            conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB")))
+            # 1 GiB each: the mixed run holds under 0.5 GiB of KV, and one engine per system
+            # (three of tierkv's) beside vLLM must fit the machine's memory
+            conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="1GiB")))
             self.rag[key] = LLM(
                 self.model,
                 dtype="bf16",
-                kv_cache_bytes=KV_CACHE_GIB << 30,
+                kv_cache_bytes=1 << 30,
                 kv_connector=conn,
                 **knobs,
             )

@@ -53,7 +53,7 @@ def make_llm(args: argparse.Namespace, conn: Any) -> LLM:
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
-        cascade_attention=not args.no_cascade_attention,
+        cascade_attention=args.cascade_attention,
         eviction=args.eviction,
         blend_calibration=args.blend_calibration,
     )

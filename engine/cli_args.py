@@ -62,10 +62,10 @@ def engine_options() -> argparse.ArgumentParser:
         help="turn off the engine's automatic prefix caching (default: on)",
     )
     g.add_argument(
-        "--no-cascade-attention",
+        "--cascade-attention",
         action="store_true",
-        help="decode every sequence over its whole context, shared prefix blocks included "
-        "(default: a prefix shared by several decoding sequences is read once per step)",
+        help="read a prefix shared by several decoding sequences once per step, cascade "
+        "attention (default: off; every sequence reads its whole context)",
     )
     g.add_argument(
         "--eviction",

@@ -154,8 +154,10 @@ class EngineConfig:
     # Decode steps: sequences whose block tables start with the same blocks (a prompt prefix
     # shared through the prefix cache) read those keys once per step for all of them (cascade
     # attention, kernels/cascade.py) where the C++ decode kernel or the Triton kernel serves
-    # the step; off: every sequence reads its whole context.
-    cascade_attention: bool = True
+    # the step. Off by default: on CPUs the decode is bound by its arithmetic, not by reading
+    # KV, and bench.cascade measured it at 0.98x (docs/engine.md); it is for memory-bound
+    # decodes (GPUs, long shared prefixes on many cores).
+    cascade_attention: bool = False
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
     # Linear layers compute in: "auto" = fp32 for bf16/fp16 weights on a CPU without native

@@ -81,7 +81,7 @@ def spy(monkeypatch):
 
 def test_cascade_on_off_and_hf_with_joins_and_finishes(ckpt, batch, spy):
     path, hf = ckpt
-    on = LLM(path, dtype="fp32", kv_cache_bytes=1 << 22)
+    on = LLM(path, dtype="fp32", kv_cache_bytes=1 << 22, cascade_attention=True)
     assert on.runner.one_decode_group, "the C++ decode kernel must serve this model"
     got = run(on, batch)
     assert spy and max(spy) >= 6, "cascade never grouped more than a sub-group of sequences"
@@ -96,7 +96,7 @@ def test_cascade_on_off_and_hf_with_joins_and_finishes(ckpt, batch, spy):
 def test_parallel_samples_share_their_prompt(ckpt, batch, spy):
     # n = 4 greedy samples: the prompt's blocks are shared, the partial last one copied on write.
     path, hf = ckpt
-    llm = LLM(path, dtype="fp32", kv_cache_bytes=1 << 22)
+    llm = LLM(path, dtype="fp32", kv_cache_bytes=1 << 22, cascade_attention=True)
     sp = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, n=4)
     outs = llm.generate(batch[:3], sp, use_tqdm=False)
     assert spy
@@ -108,7 +108,7 @@ def test_parallel_samples_share_their_prompt(ckpt, batch, spy):
 def test_groups_follow_the_tables(ckpt, batch):
     # The groups are found when a decode step's tables change and kept while they stay.
     path, _ = ckpt
-    llm = LLM(path, dtype="fp32", kv_cache_bytes=1 << 22)
+    llm = LLM(path, dtype="fp32", kv_cache_bytes=1 << 22, cascade_attention=True)
     llm.generate(batch[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # fills the cache
     for i in range(5):
         llm.add_request(str(i), batch[i], SamplingParams(temperature=0.0, max_tokens=20))
@@ -134,7 +134,7 @@ def counted(*args):
     return real(*args)
 triton_cascade.cascade_decode_triton = counted
 prompts = json.loads(sys.argv[2])
-llm = LLM(sys.argv[1], dtype="fp32", kv_cache_bytes=1 << 20)
+llm = LLM(sys.argv[1], dtype="fp32", kv_cache_bytes=1 << 20, cascade_attention=True)
 params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 first = llm.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix into the cache
 outs = llm.generate(prompts, params, use_tqdm=False)
