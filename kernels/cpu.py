@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -187,6 +188,31 @@ def write_kv_usable(k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> bool
     )
 
 
+def _decode_args(
+    q: torch.Tensor,
+    cache: LayerCache,
+    ids: torch.Tensor,
+    seen: torch.Tensor,
+    scale: float,
+    chunk: int | None,
+) -> tuple[Any, ...]:
+    """The decode ops' common arguments: an fp8 cache as bytes with its scales and table."""
+    fp8 = cache.fp8
+    kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if fp8 else (cache.k, cache.v)
+    return (
+        q.contiguous(),
+        kc,
+        vc,
+        ids,
+        seen,
+        scale,
+        cache.k_scale if fp8 else None,
+        cache.v_scale if fp8 else None,
+        _fp8_table() if fp8 else None,
+        decode_chunk(int(seen.sum())) if chunk is None else chunk,
+    )
+
+
 def paged_decode(
     q: torch.Tensor,
     cache: LayerCache,
@@ -202,20 +228,7 @@ def paged_decode(
     int64 holds valid block ids of the cache for every block that seen[i] covers; seen [b] int64
     <= nblk * block_size; decode_usable(q, cache) is True; fp8 caches come with float32 scales
     [Hkv]."""
-    fp8 = cache.fp8
-    kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if fp8 else (cache.k, cache.v)
-    return torch.ops.tierkv.paged_decode(
-        q.contiguous(),
-        kc,
-        vc,
-        ids,
-        seen,
-        scale,
-        cache.k_scale if fp8 else None,
-        cache.v_scale if fp8 else None,
-        _fp8_table() if fp8 else None,
-        decode_chunk(int(seen.sum())) if chunk is None else chunk,
-    )
+    return torch.ops.tierkv.paged_decode(*_decode_args(q, cache, ids, seen, scale, chunk))
 
 
 def paged_decode_cascade(
@@ -236,21 +249,8 @@ def paged_decode_cascade(
 
     Contract: paged_decode's. The op checks the groups (indices, each member seeing the shared
     keys through the leader's block ids) before any read: a RuntimeError otherwise."""
-    fp8 = cache.fp8
-    kc, vc = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if fp8 else (cache.k, cache.v)
-    return torch.ops.tierkv.paged_decode_cascade(
-        q.contiguous(),
-        kc,
-        vc,
-        ids,
-        seen,
-        scale,
-        cache.k_scale if fp8 else None,
-        cache.v_scale if fp8 else None,
-        _fp8_table() if fp8 else None,
-        decode_chunk(int(seen.sum())) if chunk is None else chunk,
-        *groups,
-    )
+    args = _decode_args(q, cache, ids, seen, scale, chunk)
+    return torch.ops.tierkv.paged_decode_cascade(*args, *groups)
 
 
 def prefill_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
