@@ -1,7 +1,10 @@
 """Where tierkv's engine spends a step, per case of bench.engine --vs vllm (SmolLM2-135M-Instruct,
 bf16): each case's requests run once untimed, then again under torch's profiler, and the ops'
 own time is summed by kind. "outside ops" is the wall time no op accounts for: Python in the
-model, runner, scheduler and sampler (the profiler's own cost per op lands here too).
+model, runner, scheduler and sampler (the profiler's own cost per op lands here too). The
+single-request decode runs twice: with each layer in one op call (the engine's default) and
+with the Python loop over the ops (`fused_decode` off), the baseline; its outside-ops time per
+decode step is the goal's "Python per decode step".
 
     python -m bench.engine_profile [--quick]
 """
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import parser, print_table, write_results
+from bench.common import goal, parser, print_table, write_results
 from bench.engine_cases import FULL, QUICK, chat, ids
 
 # op name fragment -> kind; the first match wins
@@ -25,7 +28,7 @@ KINDS = (
     ("gemv_bf16", "linear"),
     ("aten::mm", "linear"),
     ("aten::addmm", "linear"),
-    ("paged_decode", "attention"),
+    ("paged_decode", "attention"),  # the cascade kernel's name too
     ("prefill_attention", "attention"),
     ("scaled_dot_product", "attention"),
     ("index_select", "attention"),
@@ -95,7 +98,11 @@ def main() -> None:
         for name, (prompts, outs) in cases(c).items()
     }
     jobs["chat"] = (lambda: chat(eng, c, 1), lambda: chat(eng, c, 0))
+    jobs["decode, Python loop"] = jobs["decode"]
+    runner = eng.engine.llm.runner
+    fused = runner.fused
     for name, (warm, job) in jobs.items():
+        runner.fused = None if name == "decode, Python loop" else fused
         warm()
         prof = profiled(job)
         wall = prof.pop("wall_s")
@@ -103,6 +110,15 @@ def main() -> None:
             rows.append(dict(case=name, kind=kind, seconds=sec, share_pct=100 * sec / wall))
         rows.append(dict(case=name, kind="wall", seconds=wall, share_pct=100.0))
     print_table(rows)
+    steps = c.decode_output - 1  # the first token comes from the prefill step
+    python_ms = {
+        n: next(r["seconds"] for r in rows if r["case"] == n and r["kind"] == "outside ops")
+        / steps
+        * 1e3
+        for n in ("decode", "decode, Python loop")
+    }
+    print("Python per decode step: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in python_ms.items()))
+    goals = [goal("Python per single-request decode step", python_ms["decode"], "<=", 1.5, "ms")]
 
     def plot(ax: Any) -> None:
         names = list(dict.fromkeys(r["case"] for r in rows))
@@ -118,8 +134,13 @@ def main() -> None:
         ax.set_ylabel("% of wall time")
         ax.legend(fontsize=7)
 
-    config = dict(asdict(c), quick=args.quick, threads=torch.get_num_threads())
-    write_results("engine_profile", config, rows, [], plot)
+    config = dict(
+        asdict(c),
+        quick=args.quick,
+        threads=torch.get_num_threads(),
+        python_ms_per_decode_step=python_ms,
+    )
+    write_results("engine_profile", config, rows, goals, plot)
 
 
 if __name__ == "__main__":

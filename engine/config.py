@@ -158,6 +158,9 @@ class EngineConfig:
     # KV, and bench.cascade measured it at 0.98x (docs/engine.md); it is for memory-bound
     # decodes (GPUs, long shared prefixes on many cores).
     cascade_attention: bool = False
+    # Decode steps on the C++ kernels: each layer in one op call (engine/decode_step.py; the same
+    # ops and bits as the Python loop, ~45 fewer Python calls a layer). Off: the Python loop.
+    fused_decode: bool = True
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     seed: int = 0  # random weights and unseeded sampling
     # Linear layers compute in: "auto" = fp32 for bf16/fp16 weights on a CPU without native

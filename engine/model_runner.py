@@ -17,6 +17,7 @@ from tierkv.engine.blend_step import blend_prefill
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.context import Context, build_context
 from tierkv.engine.decode_context import DecodeContexts
+from tierkv.engine.decode_step import fits, fused_forward, fused_layers
 from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.layered import layered_forward
 from tierkv.engine.model import LlamaForCausalLM
@@ -110,6 +111,7 @@ class ModelRunner:
         ):
             model.widen_matmuls(torch.float32)
         model.bind(self.ops)  # after the weights are final
+        self.fused = fused_layers(model, self.ops, self.kv_dtype) if config.fused_decode else None
 
     def prepare(self, out: SchedulerOutput) -> Context:
         ctx = self.decodes.build(out)
@@ -201,6 +203,8 @@ class ModelRunner:
         self.connector.start_load_kv(out.connector_meta)
         if out.blend is not None:
             h = blend_prefill(self, ctx, out.blend)
+        elif self.fused is not None and fits(ctx):
+            h = fused_forward(self, self.fused, ctx)
         else:
             h = self.model(ctx.input_ids, ctx.positions, self.attend)
         self.calibrated = True

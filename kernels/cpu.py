@@ -3,8 +3,9 @@ library: decode attention (cpu_attention.cpp) that reads K and V in place from t
 cache, prefill attention (cpu_prefill.cpp; bf16 products on CPUs with AVX512-BF16 in
 cpu_prefill_dot.cpp), RoPE in one pass and the KV write (cpu_ops.cpp; RoPE bit-identical to the
 torch expression in rope.py), cascade decode attention that reads a prefix shared by several
-sequences once (cpu_cascade.cpp), RMSNorm and SiLU-and-mul (cpu_layer.cpp), and few-row linear
-layers over bf16 weights (cpu_gemv.cpp).
+sequences once (cpu_cascade.cpp), RMSNorm and SiLU-and-mul (cpu_layer.cpp), few-row linear
+layers over bf16 weights (cpu_gemv.cpp), and a decode step's layer in one call of those ops
+(cpu_step.cpp).
 
 The torch reference gathers every decode sequence's blocks into scratch before SDPA reads
 them, so it moves the KV three times; the decode kernel reads it once. Where the library
@@ -43,8 +44,11 @@ GEMV = SOURCE.with_name("cpu_gemv.cpp")  # and torch.ops.tierkv.gemv_bf16
 DECODE_DOT = SOURCE.with_name("cpu_attention_dot.cpp")  # the decode's bf16 products (AVX512-BF16)
 DECODE_H = SOURCE.with_name("cpu_decode.h")
 CASCADE = SOURCE.with_name("cpu_cascade.cpp")  # and torch.ops.tierkv.paged_decode_cascade
+STEP = SOURCE.with_name(
+    "cpu_step.cpp"
+)  # and torch.ops.tierkv.decode_layer (the others, in one call)
 # the library's translation units
-BUILT = (SOURCE, DECODE_DOT, CASCADE, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV)
+BUILT = (SOURCE, DECODE_DOT, CASCADE, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV, STEP)
 # Keys per decode task: at least this many, and at most enough for ~4 tasks per thread. Equal
 # tasks keep the threads balanced and split a few long contexts (split-K); longer ones merge fewer
 # runs: 8 x 700 keys, bf16, 2 threads: 14 GB/s of KV read with 512-key tasks, 18 with one per

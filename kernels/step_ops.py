@@ -52,24 +52,44 @@ class StepOps:
     write_kv: WriteKV
     attention: Attention  # kernels.paged_attention's contract (arguments checked)
 
+    def linear_spec(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, narrow: torch.Tensor | None
+    ) -> LinearSpec:
+        """How linear() computes x @ weight.T (+ bias): which bf16 weight the few-row kernel
+        reads (None: never) and up to how many rows."""
+        if weight.dtype == self.dtype:
+            few = weight if self.cpp and _gemv_fits(weight) else None
+            return LinearSpec(weight, few, bias, NATIVE_GEMV_ROWS)
+        few = narrow if self.cpp and narrow is not None and _gemv_fits(narrow) else None
+        return LinearSpec(weight, few, bias, GEMV_ROWS)
+
     def linear(
         self, weight: torch.Tensor, bias: torch.Tensor | None, narrow: torch.Tensor | None
     ) -> Linear:
         """x @ weight.T (+ bias) for x [M, K] in the model's dtype, as layer_ops.linear computes
         it, with its choice among the kernels made here: only the row count is left to the
         call. Holds the tensors given (Parameters follow in-place changes of their data)."""
-        cpp, wide = self.cpp, weight.dtype
-        if wide == self.dtype:
-            if cpp and _gemv_fits(weight):
-                return _rows(NATIVE_GEMV_ROWS, weight, bias, lambda x: F.linear(x, weight, bias))
-            return lambda x: F.linear(x, weight, bias)
+        spec, wide = self.linear_spec(weight, bias, narrow), weight.dtype
+
+        def many(x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, weight, bias)
 
         def widened(x: torch.Tensor) -> torch.Tensor:
             return F.linear(x.to(wide), weight, bias).to(x.dtype)
 
-        if cpp and narrow is not None and _gemv_fits(narrow):
-            return _rows(GEMV_ROWS, narrow, bias, widened)
-        return widened
+        rest = many if wide == self.dtype else widened
+        return rest if spec.few is None else _rows(spec.limit, spec.few, bias, rest)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSpec:
+    """A bound linear layer: the few-row kernel over `few` (bf16) up to `limit` rows, else
+    F.linear over `weight` (in weight's dtype, rounded back where it is wider than the input)."""
+
+    weight: torch.Tensor
+    few: torch.Tensor | None
+    bias: torch.Tensor | None
+    limit: int
 
 
 def _gemv_fits(w: torch.Tensor) -> bool:
