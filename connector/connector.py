@@ -226,6 +226,15 @@ class TierKVConnector(KVConnector):
     def wait_for_layer_load(self, layer: int) -> None:
         self.worker.wait_layer(layer)
 
+    def hold_load(self, request_id: str) -> bool:
+        return self.worker.hold(request_id)
+
+    def resume_held(self, request_id: str | None) -> None:
+        self.worker.held.resume(request_id)
+
+    def end_held(self, request_id: str, cancel: bool = False) -> None:
+        self.worker.held.end(request_id, cancel)
+
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         self.worker.save_layer(layer, kv_layer)
 

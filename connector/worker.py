@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tierkv.connector.config import ConnectorConfig
+from tierkv.connector.held import HeldLoads
 from tierkv.connector.loading import StagingPool, run_load
 from tierkv.connector.loop import LoopThread
 from tierkv.connector.plan import Chunk, ConnectorStats, LoadPlan, RequestState, SavePlan
@@ -39,6 +40,7 @@ class WorkerCore:
     stats: ConnectorStats = field(default_factory=ConnectorStats)
     kv: PagedKV | None = None  # the engine's cache, once registered
     job: LoadJob | None = None  # this step's load
+    held: HeldLoads = field(default_factory=HeldLoads)  # loads kept past their step (held.py)
     saves: list[SavePlan] = field(default_factory=list)  # this step's, gathered layer by layer
     pending: int = 0  # staged chunks not yet put
     outstanding: Counter[str] = field(default_factory=Counter)  # per request: chunks not yet put
@@ -103,9 +105,17 @@ class WorkerCore:
             )
         )
 
+    def hold(self, request_id: str) -> bool:
+        """This step's load goes on past the step for request_id (HeldLoads.hold)."""
+        if not self.held.hold(request_id, self.job):
+            return False
+        self.job = None
+        return True
+
     def wait_layer(self, layer: int) -> None:
-        """Until layer's loads are in the blocks; past load_timeout_s the load is given up."""
-        job, kv = self.job, self.kv
+        """Until layer's loads are in the blocks (the resumed held load's, while one is); past
+        load_timeout_s the load is given up."""
+        job, kv = self.held.active or self.job, self.kv
         if job is None or kv is None:
             return
         if not job.events[layer].wait(self.config.load_timeout_s):
@@ -167,7 +177,7 @@ class WorkerCore:
         """Token ranges of request_id whose segments' cached KV this step's load put in its
         blocks, for every layer; valid after wait_layer(0). Only verified segments are named (a
         declared prefix loaded exactly is not: the scheduler counted it as computed)."""
-        job = self.job
+        job = self.held.active or self.job
         if job is None:
             return []
         return [
@@ -177,14 +187,18 @@ class WorkerCore:
         ]
 
     def load_errors(self, states: dict[str, RequestState] | None = None) -> set[int]:
-        """Blocks from the first token each of this step's loads did not deliver; books the
-        load's metrics (per request too, for the requests in states)."""
+        """Blocks from the first token each of this step's loads, and each held load ended in it,
+        did not deliver; books their metrics (per request too, for the requests in states)."""
         job, self.job, kv = self.job, None, self.kv
-        if job is None or kv is None:
+        jobs = ([] if job is None else [job]) + self.held.take_ended()
+        if kv is None:
             return set()
-        if job.staged is not None and job.waited < kv.layout.num_layers:
-            job.cancel()  # a layer the engine never waited for was never scattered
-        return book(job, states or {}, self.stats, kv.layout.block_size)
+        failed: set[int] = set()
+        for j in jobs:
+            if j.staged is not None and j.waited < kv.layout.num_layers:
+                j.cancel()  # a layer the engine never waited for was never scattered
+            failed |= book(j, states or {}, self.stats, kv.layout.block_size)
+        return failed
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every save so far has reached every tier (tests, benchmarks, shutdown)."""
@@ -194,7 +208,9 @@ class WorkerCore:
         self.loop.run(self.store.drain(), timeout)
 
     def close(self) -> None:
-        """Flush, then close the store (the loop is the caller's)."""
+        """Cancel the held loads, flush, then close the store (the loop is the caller's)."""
+        for rid in list(self.held.jobs):
+            self.held.end(rid, cancel=True)
         self.flush()
         self.loop.run(self.store.close(), 30)
 

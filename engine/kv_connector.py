@@ -16,7 +16,8 @@ Scheduler side, per step, in this order:
 Worker side, per step: start_load_kv(meta) before the forward; for each layer i,
 wait_for_layer_load(i) before layer i's attention reads the cache, save_kv_layer(i, kv, md)
 after layer i wrote its new KV; wait_for_save() after the forward; then get_finished() and
-get_block_ids_with_load_errors() (those blocks' tokens are recomputed).
+get_block_ids_with_load_errors() (those blocks' tokens are recomputed). A layered prefill may
+hold its admission step's load past the step (hold_load, resume_held, end_held).
 
 What a connector may read of a request is ConnectorRequest, of a step's schedule
 ConnectorStep; it never changes either.
@@ -170,6 +171,22 @@ class KVConnector(ABC):
         """Token ranges of a blend request's segments loaded into its blocks this step, valid
         after wait_for_layer_load(0); only verified KV is named."""
         return []
+
+    # a load that spans steps (engine/layered.py: a layered prefill reads its layers over steps)
+    def hold_load(self, request_id: str) -> bool:
+        """Keep this step's load going past the step, when it loads for request_id alone (else
+        False). From then wait_for_layer_load and get_loaded_ranges read it only while
+        resume_held names request_id; end_held ends it. Safety: it writes only into that
+        request's blocks; the first get_block_ids_with_load_errors after end_held reports what
+        it failed to deliver. Optional: the default keeps every load within its step."""
+        return False
+
+    def resume_held(self, request_id: str | None) -> None:
+        """Whose held load wait_for_layer_load reads from now (None: the step's own)."""
+
+    def end_held(self, request_id: str, cancel: bool = False) -> None:
+        """request_id's held load is over (its last layer ran); cancel: its blocks are about to be
+        freed, and nothing is written into them once this returns."""
 
     def flush(self) -> None:
         """Block until every save started so far is stored. An optional hook: the default does
