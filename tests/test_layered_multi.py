@@ -117,3 +117,27 @@ def test_abort_one_layered(ckpt, longs, hf_longs) -> None:
     assert llm.output(b).token_ids == hf_longs[2]
     llm.check_integrity()
     assert len(llm.blocks.free) == free
+
+
+def test_failed_load_restarts_only_that_one() -> None:
+    """The scheduler alone (no model): a load that failed into the prompt admitted beside
+    another layered one sends just that one back to the queue, its blocks freed."""
+    from tests.test_scheduler import add
+    from tierkv.engine.block_manager import BlockManager
+    from tierkv.engine.config import EngineConfig
+    from tierkv.engine.kv_connector import NoOpConnector
+    from tierkv.engine.scheduler import Scheduler
+    from tierkv.engine.sequence import Status
+
+    cfg = EngineConfig(
+        block_size=4, max_num_batched_tokens=8, prefill_mode="layered", layered_step_rows=8
+    )
+    s = Scheduler(cfg, BlockManager(64, 4, True), NoOpConnector(), [], 4096, num_layers=2)
+    a, b = add(s, 0, 40), add(s, 1, 40)
+    s.postprocess(s.schedule(), {}, set())  # a admitted alone
+    out = s.schedule()  # b beside it
+    assert s.layering == [a, b] and out.layered == [a, b]
+    s.postprocess(out, {}, {b.block_table[3]})
+    assert s.layering == [a] and a.layering is not None and list(s.waiting) == [b]
+    assert b.layering is None and not b.block_table and b.status == Status.WAITING
+    s.check_integrity()
