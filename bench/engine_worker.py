@@ -59,7 +59,7 @@ class TierKV:
         key = json.dumps(knobs, sort_keys=True)
         if key not in self.rag:
             # 1 GiB each: the mixed run holds under 0.5 GiB of KV, and one engine per system
-            # (three of tierkv's) beside vLLM must fit the machine's memory
+            # (four of tierkv's) beside vLLM must fit the machine's memory
             conn = TierKVConnector(ConnectorConfig(tiers=TiersConfig(cpu_bytes="1GiB")))
             self.rag[key] = LLM(
                 self.model,

@@ -12,7 +12,7 @@ from typing import Any
 
 from tierkv.connector.config import ConnectorConfig
 from tierkv.engine.blend import PromptPart
-from tierkv.engine.cli_args import build_parser
+from tierkv.engine.cli_args import LAYERED_KNOBS, build_parser
 from tierkv.engine.config import RANDOM_CONFIGS
 from tierkv.engine.llm import LLM
 from tierkv.engine.models import pull
@@ -52,6 +52,7 @@ def make_llm(args: argparse.Namespace, conn: Any) -> LLM:
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        **{k: getattr(args, k) for k in LAYERED_KNOBS},
         enable_prefix_caching=not args.no_prefix_caching,
         cascade_attention=args.cascade_attention,
         eviction=args.eviction,

@@ -14,6 +14,15 @@ from tierkv.storage_backends.build import TiersConfig
 from tierkv.storage_backends.knobs import knob_default, knob_help
 from tierkv.storage_backends.sizes import parse_size as size
 
+# The prefill knobs of EngineConfig that generate, chat and serve take as flags, and their types.
+LAYERED_KNOBS: dict[str, type] = {
+    "prefill_mode": str,
+    "layer_groups": int,
+    "layered_step_rows": int,
+    "max_layered": int,
+    "layered_gap": float,
+}
+
 
 def engine_options() -> argparse.ArgumentParser:
     """The model, sampling, engine and connector options that generate and chat share."""
@@ -56,6 +65,14 @@ def engine_options() -> argparse.ArgumentParser:
         default=knob_default(ec, "max_num_batched_tokens"),
         help=knob_help(ec, "max_num_batched_tokens"),
     )
+    for knob, kind in LAYERED_KNOBS.items():  # how long prompts are prefilled
+        g.add_argument(
+            "--" + knob.replace("_", "-"),
+            type=kind,
+            choices=("chunked", "layered") if knob == "prefill_mode" else None,
+            default=knob_default(ec, knob),
+            help=knob_help(ec, knob),
+        )
     g.add_argument(
         "--no-prefix-caching",
         action="store_true",

@@ -11,6 +11,7 @@ import torch
 
 from tierkv.engine.blend import BlendParams
 from tierkv.engine.blend_rules import parse_rule
+from tierkv.engine.random_configs import RANDOM_CONFIGS as RANDOM_CONFIGS
 
 DTYPES = {
     "float32": torch.float32,
@@ -19,34 +20,6 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
-}
-
-# Named random-weight models for the CLI and benchmarks; "bench" is every benchmark's default.
-RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-    ),
-    "small": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=704,
-        vocab_size=8000,
-    ),
-    "bench": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=1408,
-        vocab_size=32000,
-    ),
 }
 
 
@@ -138,6 +111,13 @@ class EngineConfig:
     # layer_groups; 0 = as layer_groups says. A layer whose rows exceed it runs in row chunks
     # over several steps.
     layered_step_rows: int = 0
+    # Layered prefill: the most prompts layered at once (a blend prefill beside a long plain
+    # prompt), first come first served; the step's layered work is shared evenly among them.
+    max_layered: int = 2
+    # Layered prefill: 0 = the step's work is fixed (layer_groups, layered_step_rows); g > 1 =
+    # a step that runs layered work beside other sequences aims at g x the median time of
+    # recent decode-only steps, its work set from the measured rate (engine/pacer.py).
+    layered_gap: float = 0.0
     enable_prefix_caching: bool = True  # radix-tree reuse of block-aligned prompt prefixes
     # The prefix cache's eviction: "lru" (least recently used leaf first) or "hinted" (the leaf
     # whose next use, by the requests' workflow hints, is farthest first; LRU among equals and
@@ -249,6 +229,10 @@ class EngineConfig:
             raise ValueError(f"layer_groups must be >= 0, got {self.layer_groups}")
         if self.layered_step_rows < 0:
             raise ValueError(f"layered_step_rows must be >= 0, got {self.layered_step_rows}")
+        if self.max_layered < 1:
+            raise ValueError(f"max_layered must be >= 1, got {self.max_layered}")
+        if self.layered_gap != 0 and not self.layered_gap > 1:
+            raise ValueError(f"layered_gap must be 0 (off) or > 1, got {self.layered_gap}")
         if self.eviction not in ("lru", "hinted"):
             raise ValueError(f"eviction must be 'lru' or 'hinted', got {self.eviction!r}")
         if self.blend_encoding not in ("preamble", "standalone"):

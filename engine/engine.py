@@ -26,6 +26,7 @@ from tierkv.engine.loader import load_model
 from tierkv.engine.model_runner import ModelRunner
 from tierkv.engine.models import resolve
 from tierkv.engine.outputs import EngineStats, Request, RequestOutput
+from tierkv.engine.pacer import measure
 from tierkv.engine.sampler import sample_step
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.scheduler import Scheduler
@@ -184,9 +185,10 @@ class Engine:
         request leaves the engine. Raises NoFit when the head of the queue can never fit."""
         if not self.has_unfinished():
             return []
+        start = time.perf_counter()
         self.block_prefetch.issue()  # loads in this step's forward, with the step's own
         out = self.scheduler.schedule()
-        if not out.seqs and out.layered is None:
+        if not out.seqs and not out.layered:
             self.block_prefetch.cancel()
             head = self.scheduler.waiting[0] if self.scheduler.waiting else None
             raise NoFit(head.group if head is not None else None)
@@ -200,6 +202,7 @@ class Engine:
         self.block_prefetch.land(failed)  # before postprocess: its idle check sees every block
         now = time.perf_counter()
         done = self.scheduler.postprocess(out, tokens, failed, children)
+        measure(self.scheduler.pacer, out, now - start)  # layered_gap's step times
         for s in seqs:
             if s.num_output_tokens == 1 and not s.metrics.first_token_time:
                 s.metrics.first_token_time = now

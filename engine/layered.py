@@ -5,15 +5,16 @@ decode never waits for a whole prefill, and each layer's weights are read about 
 prompt instead of once per chunk.
 
 With `prefill_mode="layered"`, a prompt whose uncached tokens exceed the step's token budget
-(`max_num_batched_tokens`) is admitted this way, one at a time, FCFS; shorter prompts are
-scheduled as in chunked mode; a blend prefill always goes this way. Its prefill runs as pieces
-of rows through one layer (engine/tiles.py): a step runs pieces up to the step's work
-(layering.step_work), so a layer of a long prompt spans steps in row chunks. The scheduler owns
-the Layering (the step's work, and which step is its last); the runner carries the prompt's
-pieces from step to step and, in its last step, samples the first token like any prefill's.
-The decodes beside it take the runner's reused decode context. The connector's loads are all
+(`max_num_batched_tokens`) is admitted this way, up to `max_layered` at once, FCFS; shorter
+prompts are scheduled as in chunked mode; a blend prefill always goes this way. A prefill runs
+as pieces of rows through one layer (engine/tiles.py): a step runs each one's pieces up to its
+share of the step's work (engine/layering.py), so a layer of a long prompt spans steps in row
+chunks. The scheduler owns the Layering (the share, and which step is its last); the runner
+carries each prompt's pieces from step to step (each with its own Context, runner.ctx while
+its pieces run) and, in its last step, samples its first token like any prefill's. The
+decodes beside them take the runner's reused decode context. The connector's loads are all
 awaited in the admission step (before any later piece reads them; a step's load ends with its
-step); its saves of the prompt's chunks run in the last step, once every layer's KV is in the
+step); its saves of a prompt's chunks run in its last step, once every layer's KV is in the
 blocks.
 """
 
@@ -25,43 +26,50 @@ import torch
 
 from tierkv.engine.blend_step import blend_steps, blending
 from tierkv.engine.context import Context, build_context
+from tierkv.engine.pacer import clock
 from tierkv.engine.schedule_output import SchedulerOutput
 from tierkv.engine.tiles import Pace, Work, prefill
 
 if TYPE_CHECKING:
     from tierkv.engine.model_runner import ModelRunner
+    from tierkv.engine.sequence import Sequence
 
 
-def final(out: SchedulerOutput) -> bool:
-    """Whether the step is the layered prefill's last (its sequence then samples)."""
-    assert out.layered is not None
-    return bool(out.seqs) and out.seqs[-1] is out.layered
+def finishing(out: SchedulerOutput) -> list[Sequence]:
+    """The layered prefills whose last step it is: they sample, last in out.seqs, in order."""
+    k = sum(s in out.seqs for s in out.layered)
+    return out.seqs[len(out.seqs) - k :]
 
 
 def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
-    """A step with a layered prefill: the other sequences through every layer, the prompt its
-    step's share of pieces (all that is left, in its last step). Returns the hidden states of
-    the rows that sample, in out.seqs' order (the prompt's last row last, in its final step)."""
-    seq = out.layered
-    assert seq is not None
-    st = seq.layering
-    assert st is not None and seq.num_computed_tokens == st.start
-    last = final(out)
-    rest = SchedulerOutput(out.seqs[:-1] if last else list(out.seqs))
+    """A step with layered prefills: each one's share of pieces (all that is left, in its last
+    step), then the other sequences through every layer. Returns the hidden states of the rows
+    that sample, in out.seqs' order (each finishing prompt's last row, after the others'). Sets
+    out.ran to the pieces' rows x layers and seconds."""
+    last = finishing(out)
+    rest = SchedulerOutput(out.seqs[: len(out.seqs) - len(last)])
     rest.num_new_tokens = out.num_new_tokens[: len(rest.seqs)]
     ctx = (runner.decodes.build(rest) or context_of(runner, rest)) if rest.seqs else None
-    if st.ctx is None:  # its first step
-        st.ctx = runner.ctx = context_of(runner, SchedulerOutput([seq], [st.rows]))
-        if blending(seq):
-            st.steps = blend_steps(runner, st.ctx, seq, st.pace)
-        else:
-            st.steps = prefill(runner, st.ctx, st.pace)
-    mine, model, conn = st.ctx, runner.model, runner.connector
-    runner.saving = False  # one save per layer, once both row sets wrote their KV
+    model, conn = runner.model, runner.connector
+    paced, dev = runner.config.layered_gap > 0, runner.device.type
+    runner.saving = False  # one save per layer, once every row set wrote its KV
+    units, seconds = 0, 0.0
     try:
-        runner.ctx = mine  # the pieces' context whenever they resume (engine/tiles.py)
-        if st.steps is not None:
-            st.hidden = pieces(st.steps, st.pace, st.work, last)
+        for seq in out.layered:
+            st = seq.layering
+            assert st is not None and seq.num_computed_tokens == st.start
+            if st.ctx is None:  # its first step
+                st.ctx = runner.ctx = context_of(runner, SchedulerOutput([seq], [st.rows]))
+                if blending(seq):
+                    st.steps = blend_steps(runner, st.ctx, seq, st.pace)
+                else:
+                    st.steps = prefill(runner, st.ctx, st.pace)
+            if st.steps is None:
+                continue  # its work ended early: this is its last step
+            runner.ctx = st.ctx  # its pieces' context whenever they resume (engine/tiles.py)
+            t0 = clock(dev, paced)
+            st.hidden, used = pieces(st.steps, st.pace, st.work, seq in last)
+            seconds, units = seconds + clock(dev, paced) - t0, units + used
             st.steps = None if st.hidden is not None else st.steps
         h = model.embed_tokens(ctx.input_ids) if ctx is not None else None
         for i, layer in enumerate(model.layers):
@@ -72,20 +80,23 @@ def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
             conn.save_kv_layer(i, runner.kv_caches[i], ctx)
     finally:
         runner.saving = True
-    runner.ctx = ctx if ctx is not None else mine
+    out.ran = (units, seconds)
+    mine = out.layered[-1].layering
+    runner.ctx = ctx if ctx is not None or mine is None else mine.ctx
     rows = [] if ctx is None or h is None else [h[ctx.logits_indices][: ctx.num_sampled]]
-    if last:  # the rows its work returned, and which of them samples (blend_forward points it)
-        assert st.hidden is not None
-        rows.append(st.hidden[mine.logits_indices[: mine.num_sampled]])
+    for seq in last:  # the rows its work returned, and which samples (blend_forward points it)
+        st = seq.layering
+        assert st is not None and st.hidden is not None and st.ctx is not None
+        rows.append(st.hidden[st.ctx.logits_indices[: st.ctx.num_sampled]])
     if rows:
         return torch.cat(rows)
     w = model.embed_tokens.weight
     return w.new_zeros(0, w.shape[1])  # nothing samples this step
 
 
-def pieces(work: Work, pace: Pace, budget: int, last: bool) -> torch.Tensor | None:
-    """Run work's pieces up to budget rows x layers (to its end in its last step); its result
-    once it ended, else None."""
+def pieces(work: Work, pace: Pace, budget: int, last: bool) -> tuple[torch.Tensor | None, int]:
+    """Run work's pieces up to budget rows x layers (to its end in its last step): its result
+    once it ended, else None; and the rows x layers run."""
     used = 0
     while last or used < budget:
         pace.allow = budget - used if used < budget else budget
@@ -93,8 +104,8 @@ def pieces(work: Work, pace: Pace, budget: int, last: bool) -> torch.Tensor | No
             used += next(work)
         except StopIteration as done:
             pace.left = 0
-            return done.value
-    return None
+            return done.value, used
+    return None, used
 
 
 def context_of(runner: ModelRunner, out: SchedulerOutput) -> Context:

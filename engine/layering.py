@@ -1,8 +1,9 @@
-"""The scheduler's side of layered prefill (engine/layered.py has the runner's): which prompt is
-admitted to it, how much of its work a step holds, and which step is its last. One prompt at a
-time; it holds blocks for its whole prompt from admission, is the first preempted when blocks
-run out (its progress is dropped: it starts over), and joins the running sequences in its last
-step, where it samples.
+"""The scheduler's side of layered prefill (engine/layered.py has the runner's): which prompts
+are admitted to it, how much of its work each holds in a step, and which step is its last. Up
+to max_layered prompts are in flight at once, first come first served; each holds blocks for
+its whole prompt from admission, they are the first preempted when blocks run out (the newest
+first; its progress is dropped: it starts over), and each joins the running sequences in its
+last step, where it samples. The step's layered work is shared evenly among those in flight.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierkv.engine.blend_step import admit, blending
+from tierkv.engine.pacer import Pacer
 from tierkv.engine.schedule_output import SchedulerOutput
 from tierkv.engine.sequence import Sequence, Status
 from tierkv.engine.tiles import Pace, Work
@@ -31,7 +33,7 @@ class Layering:
 
     start: int  # tokens found cached (prefix cache, connector) at admission
     rows: int  # the prompt tokens it computes
-    work: int  # rows x layers a step runs of it (its pieces' budget)
+    work: int  # rows x layers it runs this step: its share of the step's work (the scheduler's)
     pace: Pace  # its pieces' pace; pace.left (the work's bound on what is left) sets its last step
     hidden: torch.Tensor | None = None  # its last layer's rows, once its work ended (the runner's)
     ctx: Context | None = None  # its rows' context, built in its first step (the runner's)
@@ -68,12 +70,17 @@ def wants_layers(sched: Scheduler, seq: Sequence, todo: int) -> bool:
     return c.prefill_mode == "layered" and todo > c.max_num_batched_tokens and seq.blend is None
 
 
+def room(sched: Scheduler) -> bool:
+    """Whether another prompt may start its layered prefill (fewer than max_layered in flight)."""
+    return len(sched.layering) < sched.config.max_layered
+
+
 def admit_layered(
     sched: Scheduler, seq: Sequence, hit: int, ext: int, out: SchedulerOutput
 ) -> bool:
     """Start seq's layered prefill (blocks for its whole prompt, its loads planned); False,
-    nothing changed, when another is in flight or its blocks do not fit yet."""
-    copies = None if sched.layering is not None else sched.blocks.allocate(seq, len(seq))
+    nothing changed, when max_layered are in flight or its blocks do not fit yet."""
+    copies = sched.blocks.allocate(seq, len(seq)) if room(sched) else None
     if copies is None:
         sched.blocks.free_seq(seq)
         seq.num_computed_tokens = 0
@@ -87,9 +94,9 @@ def admit_layered(
 
 def admit_blend(sched: Scheduler, seq: Sequence, out: SchedulerOutput) -> bool:
     """Layered mode: start seq's blend prefill as a layered one (blend_step.admit: its whole
-    prompt's blocks, its loads planned); False, nothing changed, when another layered prefill
-    is in flight or its blocks do not fit yet."""
-    admitted = None if sched.layering is not None else admit(seq, sched.blocks, sched.connector)
+    prompt's blocks, its loads planned); False, nothing changed, when max_layered are in flight
+    or its blocks do not fit yet."""
+    admitted = admit(seq, sched.blocks, sched.connector) if room(sched) else None
     if admitted is None:
         return False
     copies, hit, ext = admitted
@@ -111,53 +118,54 @@ def begin(
         seq.metrics.num_cached_tokens, seq.metrics.num_external_tokens = hit, ext
     seq.status = Status.RUNNING
     rows = len(seq) - seq.num_computed_tokens
-    work = step_work(rows, sched.num_layers, sched.config)
-    seq.layering = Layering(seq.num_computed_tokens, rows, work, Pace(left=rows * sched.num_layers))
-    sched.layering = seq
+    seq.layering = Layering(seq.num_computed_tokens, rows, 0, Pace(left=rows * sched.num_layers))
+    sched.layering.append(seq)
     out.copies += copies
 
 
+def shares(sched: Scheduler, pacer: Pacer, beside: bool) -> list[int]:
+    """Each in-flight prefill's work this step: the step's work split evenly among them, at
+    least 1 row x layer each. The step's work is the pacer's budget where it has one and other
+    sequences run beside (layered_gap), else each prompt's fixed step_work."""
+    paced = pacer.budget() if beside else None
+    n, c, layers = len(sched.layering), sched.config, sched.num_layers
+    whole = []
+    for seq in sched.layering:
+        assert seq.layering is not None
+        whole.append(paced if paced is not None else step_work(seq.layering.rows, layers, c))
+    return [max(1, w // n) for w in whole]
+
+
 def advance(sched: Scheduler, out: SchedulerOutput) -> None:
-    """The step's share of the layered prefill in flight; in its last (what is left of its work
-    fits the step's), the sequence joins this step's sequences (all its prompt tokens at once)
-    and the running ones."""
-    seq = sched.layering
-    if seq is None:
-        return
-    st = seq.layering
-    assert st is not None
-    out.layered = seq
-    if st.pace.left <= st.work:
-        out.seqs.append(seq)
-        out.num_new_tokens.append(st.rows)
-        out.blend = seq if blending(seq) else None
-        sched.layering = None
-        bisect.insort(sched.running, seq, key=lambda s: s.seq_id)
+    """The step's share of each layered prefill in flight; in its last (what is left of its work
+    fits its share), a sequence joins this step's sequences (all its prompt tokens at once,
+    after the others) and the running ones."""
+    works = shares(sched, sched.pacer, bool(out.seqs))
+    for seq, work in zip(list(sched.layering), works):
+        st = seq.layering
+        assert st is not None
+        st.work = work
+        out.layered.append(seq)
+        if st.pace.left <= work:
+            out.seqs.append(seq)
+            out.num_new_tokens.append(st.rows)
+            sched.layering.remove(seq)
+            bisect.insort(sched.running, seq, key=lambda s: s.seq_id)
 
 
-def drop(sched: Scheduler, out: SchedulerOutput | None = None) -> Sequence | None:
-    """Preempt the layered prefill in flight (blocks freed; it starts over later)."""
-    seq = sched.layering
-    if seq is None:
-        return None
-    sched.layering, seq.layering = None, None
-    sched.blocks.free_seq(seq)
-    seq.num_computed_tokens = 0
-    seq.status = Status.WAITING
-    seq.metrics.num_preemptions += 1
-    sched.waiting.appendleft(seq)
-    if out is not None:
-        out.preempted.append(seq)
-    return seq
+def drop(sched: Scheduler, seq: Sequence, out: SchedulerOutput | None = None) -> None:
+    """Preempt seq's layered prefill (blocks freed; it starts over later, at the queue's head)."""
+    sched.layering.remove(seq)
+    seq.layering = None
+    sched.preempt(seq, out)
 
 
 def settle(sched: Scheduler, out: SchedulerOutput, failed_blocks: set[int]) -> None:
     """After the step: a layered prefill whose load failed starts over (the layers it ran read
-    that KV); one that finished forgets its state."""
-    if out.layered is None:
-        return
-    seq = out.layered
-    if sched.layering is seq and any(b in failed_blocks for b in seq.block_table):
-        drop(sched)  # a blend starts over as a blend: its loads are planned again
-    elif sched.layering is not seq:
-        seq.layering = None
+    that KV); one that finished forgets its state. The newest goes back first, so the queue
+    keeps their order."""
+    for seq in reversed(out.layered):
+        if seq in sched.layering and any(b in failed_blocks for b in seq.block_table):
+            drop(sched, seq)  # a blend starts over as a blend: its loads are planned again
+        elif seq not in sched.layering:
+            seq.layering = None

@@ -193,7 +193,7 @@ class ModelRunner:
         for src, dst in out.copies:  # copy-on-write before anything writes into dst
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
-        if out.layered is not None:  # the sampling rows only (engine/layered.py)
+        if out.layered:  # the sampling rows only (engine/layered.py)
             self.connector.start_load_kv(out.connector_meta)
             h = layered_forward(self, out)
             self.calibrated = True
@@ -215,7 +215,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward the step; fp32 logits [S, vocab] of the sequences that sample, in order."""
         h = self.forward(out)
-        if out.layered is not None:
+        if out.layered:
             return self.model.logits(h)
         assert self.ctx is not None  # set by forward()
         return self.model.logits(h[self.ctx.logits_indices])[: self.ctx.num_sampled]

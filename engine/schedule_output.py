@@ -16,10 +16,12 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
     connector_meta: object = None
-    blend: Sequence | None = None  # a blend prefill: this step's only sequence
-    # A layered prefill's step (engine/layered.py): its sequence, which runs a step's share of
-    # its work; it is in seqs (last) only in its final step, where it samples.
-    layered: Sequence | None = None
+    blend: Sequence | None = None  # chunked mode's blend prefill: this step's only sequence
+    # The layered prefills in flight this step (engine/layered.py), first come first served:
+    # each runs its share of the step's work; one is in seqs (after the others, in this order)
+    # only in its final step, where it samples.
+    layered: list[Sequence] = field(default_factory=list)
+    ran: tuple[int, float] = (0, 0.0)  # rows x layers the layered pieces ran, their seconds
 
     @property
     def num_tokens(self) -> int:

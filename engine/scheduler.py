@@ -3,7 +3,8 @@
 Continuous batching under a per-step token budget: running sequences first (decodes and
 prefill chunks, oldest first), then waiting ones FCFS while budget and blocks last. When
 blocks run out the newest running sequence is preempted (its KV freed, recomputed later).
-Nothing depends on time or hashing, so a workload always schedules the same way.
+Nothing depends on hashing, nor on time but with layered_gap > 0, where the layered prefills'
+pace follows measured step times (engine/pacer.py; their tokens do not: row chunks are exact).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tierkv.engine.layering import (
     settle,
     wants_layers,
 )
+from tierkv.engine.pacer import Pacer
 from tierkv.engine.schedule_output import SchedulerOutput, computed_this_step
 from tierkv.engine.sequence import Sequence, Status
 
@@ -50,8 +52,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by seq_id (arrival)
         self.held: dict[str, Sequence] = {}  # finished, blocks kept by the connector
-        self.layering: Sequence | None = None  # its layered prefill in flight (engine/layering.py)
+        self.layering: list[Sequence] = []  # layered prefills in flight, FCFS (engine/layering.py)
         self.num_layers = num_layers
+        self.pacer = Pacer(config.layered_gap, num_layers)  # their step's work with layered_gap
         self.check_invariants = check_invariants_enabled()  # check_integrity when idle
 
     def add(self, seq: Sequence) -> None:
@@ -66,13 +69,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.layering)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def preempt(self, seq: Sequence, out: SchedulerOutput | None) -> None:
+        """seq's blocks freed, back at the queue's head; it is recomputed when admitted again."""
         self.blocks.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        if out is not None:
+            out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         if self.config.prefill_mode == "chunked" and (alone := blend_alone(self)) is not None:
@@ -84,11 +89,12 @@ class Scheduler:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
             copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            if copies is None and drop(self, out) is not None:  # the layered prefill goes first
+            while copies is None and self.layering:  # layered prefills go first, the newest first
+                drop(self, self.layering[-1], out)
                 copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
             while copies is None:
                 victim = self.running.pop()  # the newest; never one already scheduled this step
-                self._preempt(victim, out)
+                self.preempt(victim, out)
                 if victim is seq:
                     break
                 copies = self.blocks.allocate(seq, seq.num_computed_tokens + n)
@@ -115,9 +121,7 @@ class Scheduler:
             hit = self.blocks.match_prefix(seq)
             seq.num_computed_tokens = hit
             ext = self.connector.get_num_new_matched_tokens(seq, hit)
-            ext = max(
-                0, min(int(ext), len(seq) - 1 - hit)
-            )  # the last prompt token is always computed
+            ext = max(0, min(int(ext), len(seq) - 1 - hit))  # the last prompt token is computed
             if wants_layers(self, seq, len(seq) - hit - ext):
                 admit_layered(self, seq, hit, ext, out)
                 break  # FCFS: the prompts behind it wait for the next step
@@ -164,7 +168,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             seq.metrics.num_computed_tokens += n
             bad = next((j for j, b in enumerate(seq.block_table) if b in failed_blocks), None)
-            if bad is not None and seq is out.blend:
+            if bad is not None and (seq is out.blend or (seq in out.layered and blending(seq))):
                 unblend(seq, bad * bs, n)
                 continue
             if bad is not None and bad * bs < seq.num_computed_tokens:
@@ -189,12 +193,9 @@ class Scheduler:
                 continue  # the parent was rolled back; it forks when it samples again
             self.blocks.fork(parent, child)
             child.status, child.admitted = Status.RUNNING, True
-            m, pm = child.metrics, parent.metrics
-            m.arrival_time, m.num_cached_tokens, m.num_external_tokens = (
-                pm.arrival_time,
-                pm.num_cached_tokens,
-                pm.num_external_tokens,
-            )
+            m, p = child.metrics, parent.metrics
+            m.arrival_time = p.arrival_time
+            m.num_cached_tokens, m.num_external_tokens = p.num_cached_tokens, p.num_external_tokens
             bisect.insort(self.running, child, key=lambda s: s.seq_id)
             self._append(child, tokens[child.seq_id], finished)
         for seq in finished:
@@ -204,13 +205,8 @@ class Scheduler:
             else:
                 self.blocks.free_seq(seq)
         if finished and self.check_invariants and not self.has_work():
-            self.check_when_idle()
+            self.check_integrity()  # TIERKV_CHECK_INVARIANTS=1: whenever the queues empty
         return finished
-
-    def check_when_idle(self) -> None:
-        """check_integrity (a failure raises InvariantError); run when the queues have just
-        emptied, with TIERKV_CHECK_INVARIANTS=1."""
-        self.check_integrity()
 
     def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
         seq.token_ids.append(token)
@@ -231,8 +227,9 @@ class Scheduler:
                 continue
             if seq in self.running:
                 self.running.remove(seq)
-            elif seq is self.layering:
-                self.layering = seq.layering = None
+            elif seq in self.layering:
+                self.layering.remove(seq)
+                seq.layering = None
             elif seq in self.waiting:
                 self.waiting.remove(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
@@ -260,7 +257,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         live = self.running + list(self.held.values()) + [s for s in self.waiting if s.block_table]
-        live += [self.layering] if self.layering is not None else []
+        live += self.layering
         self.blocks.check_integrity(live)
         invariant(
             all(a.seq_id < b.seq_id for a, b in zip(self.running, self.running[1:])),
