@@ -183,10 +183,12 @@ class KVConnector(ABC):
 
     def resume_held(self, request_id: str | None) -> None:
         """Whose held load wait_for_layer_load reads from now (None: the step's own)."""
+        return None
 
     def end_held(self, request_id: str, cancel: bool = False) -> None:
         """request_id's held load is over (its last layer ran); cancel: its blocks are about to be
         freed, and nothing is written into them once this returns."""
+        return None
 
     def flush(self) -> None:
         """Block until every save started so far is stored. An optional hook: the default does

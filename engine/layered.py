@@ -12,10 +12,13 @@ share of the step's work (engine/layering.py), so a layer of a long prompt spans
 chunks. The scheduler owns the Layering (the share, and which step is its last); the runner
 carries each prompt's pieces from step to step (each with its own Context, runner.ctx while
 its pieces run) and, in its last step, samples its first token like any prefill's. The
-decodes beside them take the runner's reused decode context. The connector's loads are all
-awaited in the admission step (before any later piece reads them; a step's load ends with its
-step); its saves of a prompt's chunks run in its last step, once every layer's KV is in the
-blocks.
+decodes beside them take the runner's reused decode context. Where a prompt's admission step
+loads for it alone, its load is held past the step (KVConnector.hold_load, connector/held.py):
+its pieces wait for a layer's load only when they are about to read it, in whichever step that
+is, and the step's other rows never wait on it; its failures are reported in its last step
+(the sequence then recomputes from the first failed block, as any prefill whose load failed).
+Otherwise the step's load is awaited within the step. Its saves of a prompt's chunks run in its
+last step, once every layer's KV is in the blocks.
 """
 
 from __future__ import annotations
@@ -55,9 +58,15 @@ def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
     runner.saving = False  # one save per layer, once every row set wrote its KV
     units, seconds = 0, 0.0
     try:
+        for seq in out.layered:  # before any piece waits: a load of its admission step alone
+            st = seq.layering  # goes on past the step
+            if st is not None and st.ctx is None:
+                st.held = conn.hold_load(seq.request_id)
         for seq in out.layered:
             st = seq.layering
             assert st is not None and seq.num_computed_tokens == st.start
+            rid = seq.request_id
+            conn.resume_held(rid if st.held else None)  # its pieces wait on its held load
             if st.ctx is None:  # its first step
                 st.ctx = runner.ctx = context_of(runner, SchedulerOutput([seq], [st.rows]))
                 if blending(seq):
@@ -70,16 +79,20 @@ def layered_forward(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
             t0 = clock(dev, paced)
             st.hidden, used = pieces(st.steps, st.pace, st.work, seq in last)
             seconds, units = seconds + clock(dev, paced) - t0, units + used
+            conn.resume_held(None)
             st.steps = None if st.hidden is not None else st.steps
+            if st.held and st.hidden is not None:  # every layer ran: what failed is reported now
+                conn.end_held(rid)
         h = model.embed_tokens(ctx.input_ids) if ctx is not None else None
         for i, layer in enumerate(model.layers):
-            conn.wait_for_layer_load(i)  # every load lands in the admission step
+            conn.wait_for_layer_load(i)  # the step's own load (not one held for a prefill)
             if ctx is not None and h is not None:
                 runner.ctx = ctx
                 h = layer(i, h, ctx.positions, runner.attend)
             conn.save_kv_layer(i, runner.kv_caches[i], ctx)
     finally:
         runner.saving = True
+        conn.resume_held(None)
     out.ran = (units, seconds)
     mine = out.layered[-1].layering
     runner.ctx = ctx if ctx is not None or mine is None else mine.ctx

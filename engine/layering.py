@@ -39,6 +39,7 @@ class Layering:
     ctx: Context | None = None  # its rows' context, built in its first step (the runner's)
     # its prefill as pieces (tiles.prefill, or blend_step.blend_steps), started in its first step
     steps: Work | None = None
+    held: bool = False  # its admission step's load goes on past that step (the runner's)
 
 
 SHARE = 4  # auto: a step's prefill work is at most 1/SHARE of a full chunk's
@@ -157,6 +158,7 @@ def drop(sched: Scheduler, seq: Sequence, out: SchedulerOutput | None = None) ->
     """Preempt seq's layered prefill (blocks freed; it starts over later, at the queue's head)."""
     sched.layering.remove(seq)
     seq.layering = None
+    sched.connector.end_held(seq.request_id, cancel=True)  # nothing lands in its blocks after
     sched.preempt(seq, out)
 
 

@@ -230,6 +230,7 @@ class Scheduler:
             elif seq in self.layering:
                 self.layering.remove(seq)
                 seq.layering = None
+                self.connector.end_held(seq.request_id, cancel=True)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
