@@ -1,8 +1,12 @@
 """The layered prefill's measured pace (EngineConfig.layered_gap): a step that runs layered
 pieces beside decodes aims at layered_gap x the median time of recent decode-only steps, so
 the decodes' inter-token gap stays near that multiple of their median. The pieces' rate (rows
-x layers a second) and the decode-only steps' seconds are running medians over recent steps;
-the step's layered work is what the rate runs in the time left over. Only the pace depends on
+x layers a second) and the decode-only steps' seconds come from recent steps: the decode step
+is their median; the pieces' time is fitted as a fixed cost per step plus units at a rate
+(least squares, where their units differ enough to tell the two apart; else the median rate),
+since each piece costs something whatever its rows and a rate measured on small steps alone
+would shrink the next step's work, and so on. The step's layered work is what the fit runs
+in the time left over. Only the pace depends on
 time: the tokens do not (a layer's row chunks are exact, engine/tiles.py).
 """
 
@@ -28,7 +32,7 @@ class Pacer:
     gap: float  # layered_gap: the target step time over a decode-only step's; 0 = off
     floor: int  # the least rows x layers a step runs when paced, so a prompt always advances
     decode_s: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    rates: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    works: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def decode_step(self, seconds: float) -> None:
         """A decode-only step took seconds (schedule to postprocess)."""
@@ -38,16 +42,28 @@ class Pacer:
     def layered_work(self, units: int, seconds: float) -> None:
         """A step's layered pieces ran units rows x layers in seconds."""
         if units > 0 and seconds > 0:
-            self.rates.append(units / seconds)
+            self.works.append((units, seconds))
 
     def budget(self) -> int | None:
         """Rows x layers a step's layered pieces run in all, (gap - 1) decode-only steps' time at
         the measured rate, at least floor; None when off or before both are measured (then
         the fixed budgets hold)."""
-        if self.gap <= 0 or not self.decode_s or not self.rates:
+        if self.gap <= 0 or not self.decode_s or not self.works:
             return None
         spare = (self.gap - 1.0) * statistics.median(self.decode_s)
-        return max(self.floor, int(spare * statistics.median(self.rates)))
+        fixed, rate = self.fit()
+        return max(self.floor, int((spare - fixed) * rate))
+
+    def fit(self) -> tuple[float, float]:
+        """(seconds a step's pieces cost whatever their work, units a second beyond that): the
+        least-squares line through the recent (units, seconds) where their units span at least
+        2x and it is a line of positive slope and cost; else (0, the median rate)."""
+        us = [u for u, _ in self.works]
+        if len(us) >= 3 and max(us) >= 2 * min(us):
+            line = statistics.linear_regression(us, [s for _, s in self.works])
+            if line.slope > 0 and line.intercept >= 0:
+                return line.intercept, 1.0 / line.slope
+        return 0.0, statistics.median(u / s for u, s in self.works)
 
 
 def measure(pacer: Pacer, out: SchedulerOutput, seconds: float) -> None:

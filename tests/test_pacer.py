@@ -41,6 +41,23 @@ def test_budget_is_the_spare_time_at_the_measured_rate() -> None:
     assert p.budget() == 240
 
 
+def test_a_fixed_cost_per_step_is_fitted_apart_from_the_rate() -> None:
+    """Pieces that cost 5 ms a step plus 1 ms per 100 units: the budget is the spare time less
+    the fixed cost at 100K units/s, not the lower rate the small steps alone show."""
+    p = Pacer(2.0, 6)
+    p.decode_step(0.05)
+    for units in (200, 800, 3200, 400, 1600):
+        p.layered_work(units, 0.005 + units / 100_000)
+    fixed, rate = p.fit()
+    assert fixed == pytest.approx(0.005) and rate == pytest.approx(100_000)
+    assert p.budget() == pytest.approx((0.05 - 0.005) * 100_000, abs=1)
+    same = Pacer(2.0, 6)
+    same.decode_step(0.05)
+    for _ in range(4):  # one size only: no line to fit, the median rate
+        same.layered_work(200, 0.007)
+    assert same.fit() == (0.0, pytest.approx(200 / 0.007))
+
+
 def test_budget_has_a_floor_and_follows_recent_steps() -> None:
     p = Pacer(1.5, 24)
     p.decode_step(0.001)
@@ -63,10 +80,10 @@ def test_a_step_feeds_it_what_it_ran() -> None:
     assert list(p.decode_s) == [0.02]
     measure(p, SchedulerOutput([seq(5), seq(40)], [1, 16]), 0.5)  # a prefill chunk: not fed
     measure(p, SchedulerOutput(), 0.5)
-    assert list(p.decode_s) == [0.02] and not p.rates
+    assert list(p.decode_s) == [0.02] and not p.works
     step = SchedulerOutput([seq(5)], [1], layered=[seq(300)], ran=(600, 0.03))
     measure(p, step, 0.05)  # its pieces' rate; not a decode-only step
-    assert list(p.rates) == [20_000.0] and list(p.decode_s) == [0.02]
+    assert list(p.works) == [(600, 0.03)] and list(p.decode_s) == [0.02]
     assert p.budget() == 400
 
 
