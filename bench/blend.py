@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import add_model_arg, goal, parser, print_table, write_results
+from bench.record import FirstLogits, kl
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams
 from tierkv.engine.config import RANDOM_CONFIGS
@@ -52,23 +53,6 @@ def make(model: dict, conn=None, prefix: bool = False) -> LLM:
         kv_connector=conn,
         max_num_batched_tokens=8192,
     )
-
-
-class Recorder:
-    """Keeps the logits of every step (observes, changes nothing)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.seen: list[torch.Tensor] = []
-        llm.logits_hooks.append(lambda logits: self.seen.append(logits[-1].clone()))
-
-    def generate(self, prompt, params: SamplingParams):
-        """The output and the logits its first token was sampled from: generate() may run
-        steps before the prompt's own (the ingest of segments the store lacks); one token per
-        step after."""
-        self.seen = []
-        out = self.llm.generate([prompt], params, use_tqdm=False)[0]
-        return out, self.seen[-len(out.token_ids)]
 
 
 def ttft_rows(
@@ -131,7 +115,7 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
         ConnectorConfig(tiers=TiersConfig(cpu_bytes="2GiB"), segment_admit_after=1)
     )
     full, blend = make(model), make(model, conn)
-    full_rec, blend_rec = Recorder(full), Recorder(blend)
+    full_rec, blend_rec = FirstLogits(full), FirstLogits(blend)
     rows = []
     for nd in ndocs_list:
         docs = [
@@ -139,8 +123,7 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
         ]
         question = torch.randint(0, model["vocab_size"], (32,), generator=g).tolist()
         greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        ref, ref_logits = full_rec.generate(sum(docs, []) + question, greedy)
-        ref_lp = ref_logits.float().log_softmax(-1)
+        ref, ref_logits = full_rec.run(sum(docs, []) + question, greedy)
         # "doc 0": the same prompt with its first document declared the shared prefix (a system
         # prompt): reused exactly, the other documents' KV computed after it instead of standalone.
         for metric, prefix in (("k", False), ("k", True), ("v", False)):
@@ -154,12 +137,7 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
                     + [PromptPart(d) for d in docs[1:]]
                     + [PromptPart(question, reusable=False)]
                 )
-                out, logits = blend_rec.generate(prompt, p)
-                kl = float(
-                    torch.nn.functional.kl_div(
-                        logits.float().log_softmax(-1), ref_lp, log_target=True, reduction="sum"
-                    )
-                )
+                out, logits = blend_rec.run(prompt, p)
                 agree = sum(a == b for a, b in zip(out.token_ids, ref.token_ids)) / tokens
                 rows.append(
                     {
@@ -167,7 +145,7 @@ def deviation_rows(ndocs_list: list[int], tokens: int, bar) -> list[dict]:
                         "metric": metric,
                         "prefix": "doc 0" if prefix else "none",
                         "ratio": r,
-                        "kl": kl,
+                        "kl": kl(ref_logits, logits),
                         "greedy_agreement": agree,
                     }
                 )
@@ -244,20 +222,22 @@ def main() -> None:
                 0.7,
             ),
         ]
-    kl = {
+    kl_none = {
         (d["docs"], d["ratio"]): d["kl"]
         for d in dev
         if d["metric"] == "k" and d["prefix"] == "none"
     }
     kl_prefix = {(d["docs"], d["ratio"]): d["kl"] for d in dev if d["prefix"] == "doc 0"}
-    at = statistics.mean(kl[(n, 0.15)] for n in ndocs) / max(
-        1e-12, statistics.mean(kl[(n, 0.0)] for n in ndocs)
+    at = statistics.mean(kl_none[(n, 0.15)] for n in ndocs) / max(
+        1e-12, statistics.mean(kl_none[(n, 0.0)] for n in ndocs)
     )
     goals.append(goal("KL at 0.15 / KL at 0.0 (mean over doc counts)", at, "<=", 0.5))
 
     def plot(ax) -> None:
         for n in ndocs:
-            (line,) = ax.plot(RATIOS, [kl[(n, r)] for r in RATIOS], marker="o", label=f"{n} docs")
+            (line,) = ax.plot(
+                RATIOS, [kl_none[(n, r)] for r in RATIOS], marker="o", label=f"{n} docs"
+            )
             ax.plot(
                 RATIOS,
                 [kl_prefix[(n, r)] for r in RATIOS],

@@ -18,11 +18,11 @@ import random
 import statistics
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from bench.blend_task import calibrated, first_diff
+from bench.blend_task import calibrated
 from bench.common import goal, parser, print_table, write_results
+from bench.record import FirstLogits, first_diff, kl
 from examples.rag_docs import cut, module_doc
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams
@@ -40,28 +40,11 @@ QUESTIONS = [
 TOKENS = 64  # greedy tokens compared: room for a divergence 3x later than ratio 0's
 
 
-def reply(llm: LLM, prompt: Any, sp: SamplingParams) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the logits the first was sampled from."""
-    seen: list[torch.Tensor] = []
-    llm.logits_hooks.append(lambda logits: seen.append(logits[-1].float().clone()))
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]
-    llm.logits_hooks.clear()
-    return out.token_ids, seen[-len(out.token_ids)]
-
-
-def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    """KL(full prefill || blend) of the next-token distribution."""
-    return float(
-        torch.nn.functional.kl_div(
-            q.log_softmax(-1), p.log_softmax(-1), log_target=True, reduction="sum"
-        )
-    )
-
-
 def run(orders: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     path = str(pull("smollm2", progress=False))
     cold = LLM(path, dtype="fp32", kv_cache_bytes=64 << 20, enable_prefix_caching=False)
     tok = cold.tokenizer
+    full = FirstLogits(cold)
     assert tok is not None
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     docs = [enc(cut(module_doc(m), lambda s: len(enc(s)), 200) + "\n\n") for m in MODULES]
@@ -87,20 +70,22 @@ def run(orders: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             blend_encoding=encoding,
             blend_calibration="off",
         )
+        blend = FirstLogits(llm)
         for shape in ("chat", "bare"):
             for q, order in cases:
                 lead = head if shape == "chat" else []
                 flat = lead + sum((docs[i] for i in order), []) + tails[q]
-                ref, ref_logits = reply(cold, flat, SamplingParams(**greedy))
+                ref, ref_logits = full.run(flat, SamplingParams(**greedy))
                 bar.update()
                 parts = [PromptPart(lead, reusable=False)] if lead else []
                 parts += [PromptPart(docs[i]) for i in order]
                 parts += [PromptPart(tails[q], reusable=False)]
                 for rule, ratio in rules:
                     sp = SamplingParams(**greedy, blend_ratio=ratio, blend_rule=rule)
-                    got, logits = reply(llm, parts, sp)
+                    got, logits = blend.run(parts, sp)
                     key = (shape, encoding, rule, ratio)
-                    per.setdefault(key, []).append((kl(ref_logits, logits), first_diff(got, ref)))
+                    div = first_diff(got.token_ids, ref.token_ids)
+                    per.setdefault(key, []).append((kl(ref_logits, logits), div))
                     bar.update()
         conn.close()
     bar.close()

@@ -16,10 +16,10 @@ import re
 import statistics
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from bench.models import bench_model
+from bench.record import FirstLogits, first_diff, kl
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, PromptPart, SamplingParams, gguf_loader
 from tierkv.engine.models import pull
@@ -70,23 +70,6 @@ def questions(count: int, ndocs: list[int], seed: int = 7) -> list[tuple[list[st
     return out
 
 
-class FirstLogits:
-    """Keeps the logits each prompt's first token is sampled from (observes only)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.seen: list[torch.Tensor] = []
-        llm.logits_hooks.append(lambda logits: self.seen.append(logits[-1].float().clone()))
-
-    def run(self, llm: LLM, prompt: Any, params: SamplingParams) -> tuple[Any, torch.Tensor]:
-        self.seen = []
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        return out, self.seen[-len(out.token_ids)]
-
-
-def first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     model = bench_model("smollm2")
     tok = gguf_loader.load_tokenizer(pull("smollm2"))
@@ -111,8 +94,7 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     for mods, q in qs:
         tail = tok.encode(f"Question: {q}<|im_end|>\n<|im_start|>assistant\n", False)
         flat = system + sum((docs[m] for m in mods), []) + tail
-        ref, ref_logits = full_rec.run(full, flat, greedy)
-        ref_lp = ref_logits.log_softmax(-1)
+        ref, ref_logits = full_rec.run(flat, greedy)
         bar.update()
         parts = [PromptPart(system, prefix=True)] + [PromptPart(docs[m]) for m in mods]
         parts.append(PromptPart(tail, reusable=False))
@@ -126,16 +108,13 @@ def run(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
                 blend_ratio=ratio,
                 blend_check_layer=check,
             )
-            out, logits = blend_rec.run(blend, parts, sp)
-            kl = torch.nn.functional.kl_div(
-                logits.log_softmax(-1), ref_lp, log_target=True, reduction="sum"
-            )
+            out, logits = blend_rec.run(parts, sp)
             per.append(
                 {
                     "docs": len(mods),
                     "rule": f"{metric}@{check}" + (f"/g{gradual}" if gradual else ""),
                     "ratio": ratio,
-                    "kl": float(kl),
+                    "kl": kl(ref_logits, logits),
                     "top1": out.token_ids[0] == ref.token_ids[0],
                     "exact": out.token_ids == ref.token_ids,
                     "first_diff": first_diff(out.token_ids, ref.token_ids),

@@ -26,10 +26,10 @@ import random
 import statistics
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from bench.common import RESULTS, Checkpoint, goal, print_table, write_results
+from bench.record import FirstLogits, first_diff, kl
 from examples import rag_docs
 from tierkv.connector import ConnectorConfig, TierKVConnector
 from tierkv.engine import LLM, SamplingParams, blend_tasks
@@ -61,26 +61,9 @@ def rules() -> list[str]:
     return [r for r in RULES if accepts(r)]
 
 
-class First:
-    """Keeps the logits each prompt's first token is sampled from (observes only)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.seen: list[torch.Tensor] = []
-        llm.logits_hooks.append(lambda logits: self.seen.append(logits[-1].float().clone()))
-
-    def run(self, llm: LLM, prompt: Any, sp: SamplingParams) -> tuple[Any, torch.Tensor]:
-        self.seen = []
-        out = llm.generate([prompt], sp, use_tqdm=False)[0]
-        return out, self.seen[-len(out.token_ids)]
-
-
 def same(a: str | None, b: str | None) -> bool:
     """Whether two replies give the same answer (blend_tasks.answer: the first line)."""
     return blend_tasks.answer(a or "") == blend_tasks.answer(b or "")
-
-
-def first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run(
@@ -101,7 +84,7 @@ def run(
     tasks += demo_tasks(count, 1 if quick else 2)[: 1 if quick else None]
     ratios = ratios or ((0.15,) if quick else RATIOS)
     pairs = [("cacheblend", 0.0)] + [(r, x) for r in rules() for x in ratios if x > 0]
-    full_rec, blend_rec = First(full), First(blend)
+    full_rec, blend_rec = FirstLogits(full), FirstLogits(blend)
     per: list[dict[str, Any]] = []
     settings = {"quick": quick, "pairs": pairs, "questions": len(tasks)}
     ckpt = Checkpoint(RESULTS / "blend_task.jsonl.tmp", json.loads(json.dumps(settings)))
@@ -116,8 +99,7 @@ def run(
         flat, parts = blend_tasks.prompt(encode, task, system)
         tokens = TOKENS[task.source]
         greedy = SamplingParams(max_tokens=tokens, temperature=0.0)
-        ref, ref_logits = full_rec.run(full, flat, greedy)
-        ref_lp = ref_logits.log_softmax(-1)
+        ref, ref_logits = full_rec.run(flat, greedy)
         base = {"q": qi, "set": task.source, "docs": len(task.docs), "tokens": len(flat)}
         right = blend_tasks.correct(ref.text or "", task)
         per.append(base | {"rule": "full prefill", "ratio": 1.0, "right": right, "top1": True})
@@ -125,10 +107,7 @@ def run(
         per[-1] |= {"ttft_ratio": 1.0, "answer": ref.text, "same_answer": True}
         bar.update()
         for rule, ratio in pairs:
-            out, logits = blend_rec.run(blend, parts, params_of(rule, ratio, tokens))
-            kl = torch.nn.functional.kl_div(
-                logits.log_softmax(-1), ref_lp, log_target=True, reduction="sum"
-            )
+            out, logits = blend_rec.run(parts, params_of(rule, ratio, tokens))
             b = out.metrics.blend
             assert b, f"{rule}@{ratio:g} ran unblended"
             per.append(
@@ -138,7 +117,7 @@ def run(
                     "ratio": ratio,
                     "right": blend_tasks.correct(out.text or "", task),
                     "top1": out.token_ids[:1] == ref.token_ids[:1],
-                    "kl": float(kl),
+                    "kl": kl(ref_logits, logits),
                     "first_diff": first_diff(out.token_ids, ref.token_ids),
                     "recomputed": b.get("recomputed", 0) + b.get("computed", 0),
                     "ttft_ratio": out.metrics.ttft / ref.metrics.ttft,
@@ -200,13 +179,13 @@ def plot(ax: Any, rows: list[dict[str, Any]]) -> None:
     """Accuracy per rule over the ratio (solid), and the first token's KL (dotted, right axis):
     rules that answer alike still differ in how far they drift."""
     full = next(r for r in rows if r["rule"] == "full prefill")
-    kl = ax.twinx()
+    ax_kl = ax.twinx()
     for rule in dict.fromkeys(r["rule"] for r in rows if r["rule"] != "full prefill"):
         sel = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["ratio"])
         (line,) = ax.plot([r["ratio"] for r in sel], [r["accuracy"] for r in sel], marker="o")
         line.set_label(rule)
-        kl.plot([r["ratio"] for r in sel], [r["kl"] for r in sel], ":", color=line.get_color())
-    kl.set_ylabel("KL(full || blend), first token (dotted)")
+        ax_kl.plot([r["ratio"] for r in sel], [r["kl"] for r in sel], ":", color=line.get_color())
+    ax_kl.set_ylabel("KL(full || blend), first token (dotted)")
     ax.axhline(full["accuracy"], color="k", linestyle="--", label="full prefill")
     ax.set_xlabel("blend ratio")
     ax.set_ylabel("accuracy (answer holds the documented value)")

@@ -81,27 +81,15 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   });
   // Merge the runs of each (sequence, head) by log-sum-exp; no keys -> zeros.
   at::parallel_for(0, int64_t(b) * hkv, 1, [&](int64_t lo, int64_t hi) {
-    V o[kMaxC];
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t i = bh / hkv, h = bh % hkv;
       const Partial* ps = &parts[first[i] * hkv + h];  // run j at ps[j * hkv]
       const int64_t splits = first[i + 1] - first[i];
       for (int g = 0; g < G; ++g) {
-        float mx = -kInf, l = 0.f;
-        for (int64_t j = 0; j < splits; ++j) mx = std::max(mx, ps[j * hkv].m[g]);
-        std::fill(o, o + C, V{});
-        for (int64_t j = 0; j < splits && mx > -kInf; ++j) {
-          const Partial& pj = ps[j * hkv];
-          if (pj.l[g] == 0.f) continue;  // a run with no keys
-          const float c = std::exp(pj.m[g] - mx);
-          l += pj.l[g] * c;
-          for (int cc = 0; cc < C; ++cc) o[cc] += pj.acc[g * C + cc] * c;
-        }
-        const float r = l > 0.f ? (vs ? vs[h] : 1.f) / l : 0.f;
-        alignas(64) float flat[kMaxC * L];
-        for (int cc = 0; cc < C; ++cc) std::memcpy(flat + cc * L, &o[cc], sizeof(V));
-        for (int d = 0; d < D; ++d) flat[d] *= r;
-        store(flat, op + (i * hq + h * G + g) * D, D);
+        auto each = [&](auto&& f) {
+          for (int64_t j = 0; j < splits; ++j) f(ps[j * hkv], g);
+        };
+        merge_row(each, C, D, vs ? vs[h] : 1.f, op + (i * hq + h * G + g) * D);
       }
     }
   });

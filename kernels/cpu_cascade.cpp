@@ -149,7 +149,6 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   });
   // Merge each (sequence, head, query row) over its own runs and its sub-group's runs.
   at::parallel_for(0, int64_t(b) * hkv, 1, [&](int64_t lo, int64_t hi) {
-    V o[kMaxC];
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t i = bh / hkv, h = bh % hkv, s = sub_of[i];
       const int64_t t0 = s < 0 ? 0 : sub_first[s], t1 = s < 0 ? 0 : sub_first[s + 1];
@@ -159,21 +158,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
           for (int64_t t = seq_first[i]; t < seq_first[i + 1]; ++t) f(parts[t * hkv + h], g);
           for (int64_t t = t0; t < t1; ++t) f(parts[t * hkv + h], int(row_of[i]) * G + g);
         };
-        float mx = -kInf, l = 0.f;
-        each([&](const Partial& p, int r) { mx = std::max(mx, p.m[r]); });
-        std::fill(o, o + C, V{});
-        if (mx > -kInf)
-          each([&](const Partial& p, int r) {
-            if (p.l[r] == 0.f) return;  // a run with no keys
-            const float c = std::exp(p.m[r] - mx);
-            l += p.l[r] * c;
-            for (int cc = 0; cc < C; ++cc) o[cc] += p.acc[r * C + cc] * c;
-          });
-        const float f = l > 0.f ? (vs ? vs[h] : 1.f) / l : 0.f;
-        alignas(64) float flat[kMaxC * L];
-        for (int cc = 0; cc < C; ++cc) std::memcpy(flat + cc * L, &o[cc], sizeof(V));
-        for (int d = 0; d < D; ++d) flat[d] *= f;
-        store(flat, op + (i * hq + h * G + g) * D, D);
+        merge_row(each, C, D, vs ? vs[h] : 1.f, op + (i * hq + h * G + g) * D);
       }
     }
   });

@@ -1,6 +1,7 @@
 // What the CPU decode attention's two inner loops share, and the fp32 loop itself (fp32 math over
 // any cache dtype; cpu_attention_dot.cpp: bf16 products on CPUs with AVX512-BF16). Used by the
-// plain decode op (cpu_attention.cpp) and the cascade decode op (cpu_cascade.cpp).
+// plain decode op (cpu_attention.cpp) and the cascade decode op (cpu_cascade.cpp), with the
+// log-sum-exp merge of their runs' partial states.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -136,6 +137,30 @@ void attend(const V* q, int G, int C, int hkv, const T* kc, const T* vc, const i
         attend_tile<CT, false>(q + h * G * C, G, C, kc + at, vc + at, kc + nat, vc + nat, row, n, lut, p[h]);
     }
   });
+}
+
+// One query row's output from the online-softmax states of its runs of keys, merged by
+// log-sum-exp: each(f) calls f(partial, row) for every run, row being the query row's place in
+// that partial. Runs with no keys add nothing; no keys at all give zeros. vscale: the V scale
+// (fp8 caches) or 1, folded into the final 1 / l.
+template <typename O, typename Each>
+inline void merge_row(Each&& each, int C, int D, float vscale, O* dst) {
+  V o[kMaxC];
+  float mx = -kInf, l = 0.f;
+  each([&](const Partial& p, int r) { mx = std::max(mx, p.m[r]); });
+  std::fill(o, o + C, V{});
+  if (mx > -kInf)
+    each([&](const Partial& p, int r) {
+      if (p.l[r] == 0.f) return;  // a run with no keys
+      const float c = std::exp(p.m[r] - mx);
+      l += p.l[r] * c;
+      for (int cc = 0; cc < C; ++cc) o[cc] += p.acc[r * C + cc] * c;
+    });
+  const float f = l > 0.f ? vscale / l : 0.f;
+  alignas(64) float flat[kMaxC * L];
+  for (int cc = 0; cc < C; ++cc) std::memcpy(flat + cc * L, &o[cc], sizeof(V));
+  for (int d = 0; d < D; ++d) flat[d] *= f;
+  store(flat, dst, D);
 }
 
 // Keys [k0, k1) of one sequence, every KV head, into p[0..hkv) (whose state is reset first):

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from tierkv.kernels.args import AttentionMeta, LayerCache, check_values
 from tierkv.kernels.attention_launch import choose_splits, launch_config, num_sms
-from tierkv.kernels.triton_common import cdiv, launch, rmax, rsum
+from tierkv.kernels.triton_common import cdiv, launch, rmax
+from tierkv.kernels.triton_softmax import attend_keys, combine_splits
 
 
 @triton.jit
@@ -106,51 +107,32 @@ def _attn_kernel(
     else:
         t_lo = 0
         t_hi = tiles
-    if FP8:
-        k_sc = tl.load(ks_ptr + kvh)
-        v_sc = tl.load(vs_ptr + kvh)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, D_PAD], 0.0, tl.float32)
-    for t in range(t_lo, t_hi):
-        offs_n = t * TILE_N + tl.arange(0, TILE_N)
-        n_ok = offs_n < kv_end
-        blk = tl.load(bt_ptr + seq * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        off = offs_n % BLOCK_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if FP8:
-            k = (k.to(tl.float32) * k_sc).to(q.dtype)
-            v = (v.to(tl.float32) * v_sc).to(q.dtype)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, rmax(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + rsum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    m_i, l_i, acc = attend_keys(
+        q,
+        pos,
+        k_ptr + kvh * s_kh,
+        v_ptr + kvh * s_vh,
+        bt_ptr + seq * s_bt,
+        ks_ptr + kvh,
+        vs_ptr + kvh,
+        0,
+        t_lo,
+        t_hi,
+        kv_end,
+        scale,
+        s_kb,
+        s_ks,
+        s_vb,
+        s_vs,
+        BLOCK_M,
+        HEAD_D,
+        D_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        FP8,
+        IEEE,
+        CAUSAL=True,
+    )
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -164,37 +146,6 @@ def _attn_kernel(
         tl.store(part_acc + row[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml + row * 2, m_i, mask=row_ok)
         tl.store(part_ml + row * 2 + 1, l_i, mask=row_ok)
-
-
-@triton.jit
-def _combine_kernel(
-    part_acc,
-    part_ml,
-    out_ptr,
-    s_ot,
-    s_oh,
-    num_heads,
-    HEAD_D: tl.constexpr,
-    D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    row = (tok * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml + row * 2)
-    l_split = tl.load(part_ml + row * 2 + 1)  # each split's softmax denominator
-    m_max = rmax(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp(m - m_safe)  # an empty split has m = -inf: weight 0
-    total = rsum(w * l_split, 0)
-    offs_d = tl.arange(0, D_PAD)
-    acc = tl.load(part_acc + row[:, None] * D_PAD + offs_d[None, :])
-    o = rsum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + tok * s_ot + head * s_oh + offs_d,
-        o.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_D,
-    )
 
 
 def paged_attention_triton(
@@ -286,7 +237,7 @@ def paged_attention_triton(
         num_warps=num_warps,
     )
     if num_splits > 1:
-        launch(_combine_kernel, (nq, hq))(
+        launch(combine_splits, (nq, hq))(
             part_acc,
             part_ml,
             out,

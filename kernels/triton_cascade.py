@@ -19,6 +19,7 @@ from tierkv.kernels.args import AttentionMeta, LayerCache
 from tierkv.kernels.attention_launch import LAUNCH
 from tierkv.kernels.cascade import part_items
 from tierkv.kernels.triton_common import cdiv, launch, rmax, rsum
+from tierkv.kernels.triton_softmax import attend_keys
 
 PREFIX_ROWS = 64  # most query rows of a shared-keys program (sequences x padded GQA group)
 PREFIX_KEYS = 512  # keys per shared-keys item
@@ -82,50 +83,32 @@ def _part_kernel(
     k1 = tl.load(k1_ptr + item)
     if k1 < 0:  # a suffix: to the sequence's own length
         k1 = tl.load(lens_ptr + lead)
-    if FP8:
-        k_sc = tl.load(ks_ptr + kvh)
-        v_sc = tl.load(vs_ptr + kvh)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, D_PAD], 0.0, tl.float32)
-    for t in range(0, cdiv(k1 - k0, TILE_N)):
-        offs_n = k0 + t * TILE_N + tl.arange(0, TILE_N)
-        n_ok = offs_n < k1
-        blk = tl.load(bt_ptr + lead * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        off = offs_n % BLOCK_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr + blk[:, None] * s_kb + off[:, None] * s_ks + kvh * s_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if FP8:
-            k = (k.to(tl.float32) * k_sc).to(q.dtype)
-            v = (v.to(tl.float32) * v_sc).to(q.dtype)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, rmax(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + rsum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    m_i, l_i, acc = attend_keys(
+        q,
+        seq,  # not read: the suffix and shared keys are all below each row's query
+        k_ptr + kvh * s_kh,
+        v_ptr + kvh * s_vh,
+        bt_ptr + lead * s_bt,
+        ks_ptr + kvh,
+        vs_ptr + kvh,
+        k0,
+        0,
+        cdiv(k1 - k0, TILE_N),
+        k1,
+        scale,
+        s_kb,
+        s_ks,
+        s_vb,
+        s_vs,
+        BLOCK_M,
+        HEAD_D,
+        D_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        FP8,
+        IEEE,
+        CAUSAL=False,
+    )
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -13,30 +13,10 @@ import triton
 import triton.language as tl
 
 from tierkv.kernels.args import LayerCache
-from tierkv.kernels.dispatch import interpret
 from tierkv.kernels.fp8 import FP8, FP8_MAX, is_fp8, need_scale
 from tierkv.kernels.ref_kv import put_rows, token_slots
 from tierkv.kernels.triton_common import launch, rmax
-
-
-@triton.jit
-def _convert(
-    x,
-    src_sc_ptr,
-    dst_sc_ptr,
-    head,
-    col_ok,
-    SRC_FP8: tl.constexpr,
-    DST_FP8: tl.constexpr,
-    dst_ty: tl.constexpr,
-):
-    x = x.to(tl.float32)
-    if SRC_FP8:
-        x = x * tl.load(src_sc_ptr + head, mask=col_ok, other=1.0)
-    if DST_FP8:
-        x = x / tl.load(dst_sc_ptr + head, mask=col_ok, other=1.0)
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    return x.to(dst_ty)
+from tierkv.kernels.triton_fp8 import convert, fp8_stage
 
 
 @triton.jit
@@ -69,13 +49,13 @@ def _write_kernel(
     k = tl.load(k_ptr + i * s_k + col, mask=ok)
     v = tl.load(v_ptr + i * s_v + col, mask=ok)
     if STAGE:
-        k = _convert(k, ks_ptr, ks_ptr, head, ok, False, FP8_CACHE, tl.float32)
-        v = _convert(v, vs_ptr, vs_ptr, head, ok, False, FP8_CACHE, tl.float32)
+        k = convert(k, ks_ptr, ks_ptr, head, ok, False, FP8_CACHE, tl.float32)
+        v = convert(v, vs_ptr, vs_ptr, head, ok, False, FP8_CACHE, tl.float32)
         tl.store(stage_ptr + i * 2 * HD + col, k, mask=ok)
         tl.store(stage_ptr + i * 2 * HD + HD + col, v, mask=ok)
     else:
-        k = _convert(k, ks_ptr, ks_ptr, head, ok, False, FP8_CACHE, kc_ptr.dtype.element_ty)
-        v = _convert(v, vs_ptr, vs_ptr, head, ok, False, FP8_CACHE, vc_ptr.dtype.element_ty)
+        k = convert(k, ks_ptr, ks_ptr, head, ok, False, FP8_CACHE, kc_ptr.dtype.element_ty)
+        v = convert(v, vs_ptr, vs_ptr, head, ok, False, FP8_CACHE, vc_ptr.dtype.element_ty)
         tl.store(kc_ptr + slot * s_kc + col, k, mask=ok)
         tl.store(vc_ptr + slot * s_vc + col, v, mask=ok)
 
@@ -130,9 +110,9 @@ def _move_kernel(
         if RAW:
             y = x
         elif STAGE:
-            y = _convert(x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, tl.float32)
+            y = convert(x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, tl.float32)
         else:
-            y = _convert(
+            y = convert(
                 x, src_sc, dst_sc, head, col_ok[None, :], SRC_FP8, DST_FP8, dst.dtype.element_ty
             )
         if STAGE:
@@ -141,15 +121,6 @@ def _move_kernel(
             tl.store(seg_ptr + s_off, y, mask=mask)
         else:
             tl.store(cache_ptr + c_off, y, mask=mask)
-
-
-def _stage(fp8_dst: bool, numel: int, device: torch.device) -> torch.Tensor | None:
-    """Under TRITON_INTERPRET=1 an in-kernel fp32 -> fp8 cast rounds wrongly (126.7 becomes 64,
-    not 128): there the kernel writes its scaled, saturated fp32 values to a staging buffer and
-    torch casts them to fp8. Compiled kernels cast in the kernel."""
-    if not (fp8_dst and interpret()):
-        return None
-    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def _hd_pad(k_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -169,7 +140,7 @@ def write_kv_triton(
     fp8 = cache.fp8
     ks = need_scale(cache.k_scale).float().contiguous() if fp8 else k
     vs = need_scale(cache.v_scale).float().contiguous() if fp8 else v
-    stage = _stage(fp8, 2 * k.shape[0] * hd, k.device)
+    stage = fp8_stage(fp8, 2 * k.shape[0] * hd, k.device)
     launch(_write_kernel, (k.shape[0],))(
         k,
         v,
@@ -214,7 +185,7 @@ def _move(
     if src_fp8 and dst_fp8 and torch.equal(need_scale(src_sc), need_scale(dst_sc)):
         src_fp8 = dst_fp8 = False  # same scales: the bytes move as they are
     dummy = amax if amax is not None else seg
-    stage = _stage(dst_fp8 and amax is None, length * hd, cache.device)
+    stage = fp8_stage(dst_fp8 and amax is None, length * hd, cache.device)
     launch(_move_kernel, (triton.cdiv(length, block_t),))(
         cache,
         seg,

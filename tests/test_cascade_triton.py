@@ -27,9 +27,10 @@ if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, i.e. at import
 from triton.runtime.interpreter import InterpretedFunction
 
-from tierkv.kernels import triton_attention, triton_cascade
+from tierkv.kernels import triton_attention, triton_cascade, triton_softmax
 
-for _m in (triton_attention, triton_cascade):
+# The shared device functions first: the kernels' modules import them.
+for _m in (triton_softmax, triton_attention, triton_cascade):
     if GPU != (not any(isinstance(v, InterpretedFunction) for v in vars(_m).values())):
         importlib.reload(_m)  # imported earlier in the other mode
 if _prev is None:

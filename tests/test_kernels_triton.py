@@ -7,7 +7,7 @@ Interpreter caveats, worked around here and nowhere hidden:
   still exercised; a GPU runs bf16 end to end.
 - an in-kernel fp32 -> fp8 cast rounds wrongly (126.7 becomes 64, not 128): under the
   interpreter the KV kernels write their scaled, saturated fp32 values to a staging buffer
-  and torch casts them (kernels/triton_kv.py `_stage`, kernels/triton_fp8.py).
+  and torch casts them (kernels/triton_fp8.py `fp8_stage`).
 - an in-kernel fp32 -> bf16 cast truncates instead of rounding to nearest: bf16
   destinations are compared within one bf16 ulp.
 """
@@ -32,9 +32,10 @@ if not GPU:
 import triton  # a hard dependency of this file: no skip
 from triton.runtime.interpreter import InterpretedFunction
 
-from tierkv.kernels import triton_attention, triton_fp8, triton_kv, triton_rope
+from tierkv.kernels import triton_attention, triton_fp8, triton_kv, triton_rope, triton_softmax
 
-for _m in (triton_attention, triton_kv, triton_rope, triton_fp8):
+# The shared device functions first: the kernels' modules import them.
+for _m in (triton_softmax, triton_fp8, triton_attention, triton_kv, triton_rope):
     if GPU != (not any(isinstance(v, InterpretedFunction) for v in vars(_m).values())):
         importlib.reload(_m)  # imported earlier in the other mode
 if _prev is None:
