@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 from tierkv.engine import LLM, SamplingParams
+from tierkv.engine.decode_step import fused_layers
 from tierkv.engine.model import Linear
 from tierkv.kernels import cpu, layer_ops
 from tierkv.kernels.layer_ops import GEMV_ROWS, NATIVE_GEMV_ROWS, linear
@@ -157,6 +158,8 @@ def test_engine_decodes_through_the_bf16_weights() -> None:
     with_gemv, calls = run()
     assert calls >= 23 * len(linears)  # every decode step's every linear layer
     model.bind(dataclasses.replace(ops, cpp=False))  # the same kernels but the fp32 GEMMs
+    assert model.ops is not None
+    llm.runner.fused = fused_layers(model, model.ops, llm.runner.kv_dtype)  # None: no cpp
     without, calls = run()
     assert calls == 0
     assert with_gemv == without
