@@ -30,11 +30,21 @@ KV_CACHE_GIB = 4  # both engines' KV budget: the largest case needs under 1 GiB
 
 class TierKV:
     def __init__(self, model: str) -> None:
-        from tierkv.engine import LLM, SamplingParams
+        from tierkv.engine import SamplingParams
 
         self.params, self.model = SamplingParams, model
-        self.llm = LLM(model, dtype="bf16", kv_cache_bytes=KV_CACHE_GIB << 30)
+        self._llm: Any = None
         self.rag: dict[str, Any] = {}  # engine knobs (JSON) -> an engine with a connector
+
+    @property
+    def llm(self) -> Any:
+        """The plain cases' engine, made on first use: a mixed-load run makes only its own
+        (KV_CACHE_GIB of KV it would not use, beside four of them and vLLM, overran 24 GiB)."""
+        if self._llm is None:
+            from tierkv.engine import LLM
+
+            self._llm = LLM(self.model, dtype="bf16", kv_cache_bytes=KV_CACHE_GIB << 30)
+        return self._llm
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
         ps = [self.params(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
