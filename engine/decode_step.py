@@ -54,8 +54,6 @@ def fused_layers(
     bound, the cache in the model's dtype), else None."""
     if not (ops.backend == "cpp" and ops.cpp and kv_dtype == ops.dtype):
         return None
-    if not hasattr(torch.ops.tierkv, "decode_layer"):
-        return None  # a library built without cpu_step.cpp
     out = []
     for x in model.layers:
         assert isinstance(x, DecoderLayer)
