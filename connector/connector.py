@@ -69,7 +69,6 @@ class TierKVConnector(KVConnector):
     async def _build_store(self, tiers: list[Tier] | None) -> TieredStore:
         return TieredStore(tiers) if tiers else self.config.build_store()
 
-    # -- binding to the engine -------------------------------------------------------------
     def bind_model(
         self,
         model: torch.nn.Module,
@@ -117,16 +116,14 @@ class TierKVConnector(KVConnector):
     def prefetch(
         self, token_ids: list[int], hint: KVHint | None = None, cache_salt: str | None = None
     ) -> None:
-        """Its chunk keys tagged with hint, moved up to the server's cpu tier and the local
-        tiers in the background (Workflows.prefetch); returns at once, never fails."""
+        """Its chunk keys, tagged with hint, moved up the tiers in the background; never fails."""
         partial = self.config.save_partial_chunks
         self.workflows.prefetch_prompt(
             lambda: self.hasher.salted(cache_salt), token_ids, hint, partial
         )
 
     def get_num_prefetched_tokens(self, request: ConnectorRequest, num_computed: int) -> int:
-        """get_num_new_matched_tokens over the local tier alone (tiers[0], where a prefetch
-        lands; never the server): a plain prompt's tokens that a block prefetch can load."""
+        """get_num_new_matched_tokens over the local tier alone (where a prefetch lands)."""
         st = self._state(request)
         if not st.chunks or blending(request) or (self.caches[0].dtype == FP8 and not self.steps):
             return 0
@@ -139,8 +136,7 @@ class TierKVConnector(KVConnector):
         prefix: list[int] | None = None,
         cache_salt: str | None = None,
     ) -> list[bool]:
-        """Whether the store holds each segment's KV, computed standalone or, given prefix, right
-        after that declared shared prefix (one batched lookup), under cache_salt's keys."""
+        """Whether the store holds each segment's KV (one batched lookup)."""
         return self.segments.lookup(self.hasher.salted(cache_salt), segments, prefix)
 
     def sight_segments(
@@ -237,6 +233,9 @@ class TierKVConnector(KVConnector):
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         self.worker.save_layer(layer, kv_layer)
+
+    def layer_work(self) -> bool:
+        return self.worker.layer_work()
 
     def wait_for_save(self) -> None:
         self.steps += 1

@@ -137,6 +137,10 @@ class WorkerCore:
                             p.failed_from = p.start
                 job.waited += 1
 
+    def layer_work(self) -> bool:
+        """Whether wait_layer or save_layer has anything to do in this step."""
+        return self.job is not None or self.held.active is not None or bool(self.saves)
+
     def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         if self.kv is not None and self.saves:
             self.kv.gather(self.saves, layer, kv_layer)

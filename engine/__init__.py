@@ -2,8 +2,9 @@
 
 from tierkv.engine.blend import PromptPart
 from tierkv.engine.engine import Engine, NoFit
-from tierkv.engine.kv_connector import ConnectorRequest, KVConnector, NoOpConnector
+from tierkv.engine.kv_connector import ConnectorRequest, KVConnector
 from tierkv.engine.llm import LLM
+from tierkv.engine.noop_connector import NoOpConnector
 from tierkv.engine.outputs import Completion, Request, RequestMetrics, RequestOutput
 from tierkv.engine.sampling_params import SamplingParams
 

@@ -98,7 +98,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # byte budget for all layers' K and V; sets num_blocks
     block_size: int = 16  # tokens per KV block
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
-    max_num_seqs: int = 256  # most sequences in one step
+    max_num_seqs: int = 256  # most sequences running at once (layered prefills in flight too)
     # How a prompt longer than max_num_batched_tokens is prefilled: "chunked" (token chunks of
     # the step's budget, beside the decodes) or "layered" (its whole prompt through a group of
     # layers per step, beside the decodes, which run every layer every step; engine/layered.py)

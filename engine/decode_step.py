@@ -1,7 +1,8 @@
-"""A decode-only step on the C++ kernels, one op call per layer (torch.ops.tierkv.decode_layer,
+"""A decode-only step on the C++ kernels in one op call (torch.ops.tierkv.decode_layers,
 kernels/cpu_step.cpp): the same ops as LlamaForCausalLM.forward's loop, in the same order, so
-the same bits, without ~45 Python calls per layer. The connector's per-layer hooks run around
-each call: the layer's load is awaited before it writes its KV, and its save follows the write.
+the same bits, without ~45 Python calls per layer. Where the connector has per-layer work in the
+step (KVConnector.layer_work), it runs one op call per layer (decode_layer) with the hooks
+around each: the layer's load is awaited before it writes its KV, and its save follows.
 
 It serves a step whose Context has the decode kernel's arguments (every row one decoding
 sequence, no padding, no cascade groups) on a runner whose ops are the C++ ones with a cache in
@@ -47,11 +48,34 @@ class FusedLayer:
         )
 
 
-def fused_layers(
-    model: LlamaForCausalLM, ops: StepOps, kv_dtype: torch.dtype
-) -> list[FusedLayer] | None:
-    """Each layer's FusedLayer where decode_layer serves this model's decode steps (the C++ ops
-    bound, the cache in the model's dtype), else None."""
+@dataclass(frozen=True, slots=True)
+class FusedModel:
+    """Every layer's FusedLayer, and their weights in one list each as decode_layers takes them."""
+
+    layers: list[FusedLayer]
+    norm1: list[torch.Tensor]
+    norm2: list[torch.Tensor]
+    w: list[torch.Tensor]
+    few: list[torch.Tensor | None]
+    bias: list[torch.Tensor | None]
+    limit: list[int]
+
+    @classmethod
+    def of(cls, layers: list[FusedLayer]) -> FusedModel:
+        return cls(
+            layers,
+            [x.norm1 for x in layers],
+            [x.norm2 for x in layers],
+            [t for x in layers for t in x.w],
+            [t for x in layers for t in x.few],
+            [t for x in layers for t in x.bias],
+            [n for x in layers for n in x.limit],
+        )
+
+
+def fused_layers(model: LlamaForCausalLM, ops: StepOps, kv_dtype: torch.dtype) -> FusedModel | None:
+    """The model's FusedModel where decode_layer(s) serve its decode steps (the C++ ops bound,
+    the cache in the model's dtype), else None."""
     if not (ops.backend == "cpp" and ops.cpp and kv_dtype == ops.dtype):
         return None
     out = []
@@ -62,7 +86,7 @@ def fused_layers(
         out.append(
             FusedLayer.of(x.input_layernorm.weight, x.post_attention_layernorm.weight, specs)
         )
-    return out
+    return FusedModel.of(out)
 
 
 def spec(ops: StepOps, m: torch.nn.Module) -> LinearSpec:
@@ -79,17 +103,24 @@ def fits(ctx: Context) -> bool:
     )
 
 
-def fused_forward(runner: ModelRunner, layers: list[FusedLayer], ctx: Context) -> torch.Tensor:
+def fused_forward(runner: ModelRunner, fused: FusedModel, ctx: Context) -> torch.Tensor:
     """The step's final hidden states [N, hidden], as model(ctx.input_ids, ...) returns them."""
     assert ctx.decode is not None
     model, cfg, conn = runner.model, runner.cfg, runner.connector
     ids, seen, chunk = ctx.decode
     h = model.embed_tokens(ctx.input_ids)
     cos, sin = model.rope.cos_sin(ctx.positions)
-    step, slots, scale = torch.ops.tierkv.decode_layer, ctx.slot_mapping, runner.scale
+    slots, scale, caches = ctx.slot_mapping, runner.scale, runner.layer_caches
     hq, hkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
-    for i, x in enumerate(layers):
-        c = runner.layer_caches[i]
+    if not conn.layer_work():
+        f = fused
+        return torch.ops.tierkv.decode_layers(
+            h, cos, sin, [c.k for c in caches], [c.v for c in caches], slots, ids, seen, scale,
+            chunk, f.norm1, f.norm2, eps, hq, hkv, f.w, f.few, f.bias, f.limit,
+        )  # fmt: skip
+    step = torch.ops.tierkv.decode_layer
+    for i, x in enumerate(fused.layers):
+        c = caches[i]
         conn.wait_for_layer_load(i)
         h = step(
             h, cos, sin, c.k, c.v, slots, ids, seen, scale, chunk,

@@ -21,10 +21,11 @@ from tierkv.engine.block_prefetch import BlockPrefetch
 from tierkv.engine.config import EngineConfig, ModelConfig
 from tierkv.engine.encoding import preamble
 from tierkv.engine.intake import Prompt, new_seq, prompt_tokens
-from tierkv.engine.kv_connector import KVConnector, NoOpConnector
+from tierkv.engine.kv_connector import KVConnector
 from tierkv.engine.loader import load_model
 from tierkv.engine.model_runner import ModelRunner
 from tierkv.engine.models import resolve
+from tierkv.engine.noop_connector import NoOpConnector
 from tierkv.engine.outputs import EngineStats, Request, RequestOutput
 from tierkv.engine.pacer import measure
 from tierkv.engine.sampler import sample_step

@@ -1,4 +1,5 @@
-"""The connector hooks (the shape of vLLM's KVConnectorBase_V1) and the default no-op connector.
+"""The connector hooks (the shape of vLLM's KVConnectorBase_V1); the default connector,
+NoOpConnector, is in engine/noop_connector.py.
 
 One connector object serves both sides in this single-process engine.
 
@@ -126,6 +127,12 @@ class KVConnector(ABC):
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         """Layer's new KV of this step is written; start saving what should be saved."""
 
+    def layer_work(self) -> bool:
+        """Whether the step begun by the last start_load_kv needs the two per-layer hooks.
+        Safety: False only where both would do nothing this step; the runner then skips them
+        and may run the step's layers in one call. Optional: the default says True."""
+        return True
+
     @abstractmethod
     def wait_for_save(self) -> None:
         """Block until this step's saves no longer read the cache (the blocks may be reused)."""
@@ -218,44 +225,3 @@ class KVConnector(ABC):
         """Per-request numbers copied into the output metrics, e.g.
         {"loaded_tokens": {"cpu": 256}}."""
         return {}
-
-
-class NoOpConnector(KVConnector):
-    """The default: loads nothing, saves nothing."""
-
-    def get_num_new_matched_tokens(
-        self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> int:
-        return 0
-
-    def update_state_after_alloc(
-        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        pass
-
-    def build_connector_meta(self, scheduler_output: ConnectorStep) -> object:
-        return None
-
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        return False
-
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        pass
-
-    def start_load_kv(self, meta: object) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer: int) -> None:
-        pass
-
-    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
-
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        return set(), set()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()

@@ -72,8 +72,10 @@ def wants_layers(sched: Scheduler, seq: Sequence, todo: int) -> bool:
 
 
 def room(sched: Scheduler) -> bool:
-    """Whether another prompt may start its layered prefill (fewer than max_layered in flight)."""
-    return len(sched.layering) < sched.config.max_layered
+    """Whether another prompt may start its layered prefill (fewer than max_layered in flight,
+    and fewer than max_num_seqs running or in flight)."""
+    n, c = len(sched.layering), sched.config
+    return n < c.max_layered and len(sched.running) + n < c.max_num_seqs
 
 
 def admit_layered(

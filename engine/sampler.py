@@ -52,7 +52,8 @@ def sample_step(
                 children.append((seq, child))
                 rows.append(i)
                 seqs.append(child)
-    tokens = dict(zip((s.seq_id for s in seqs), sample(logits[rows], seqs))) if seqs else {}
+    picked = logits if len(rows) == logits.shape[0] else logits[rows]  # no copy without forks
+    tokens = dict(zip((s.seq_id for s in seqs), sample(picked, seqs))) if seqs else {}
     logprobs = {
         s.seq_id: token_logprobs(logits[r], tokens[s.seq_id], s.params.logprobs)
         for r, s in zip(rows, seqs)

@@ -111,7 +111,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not out.preempted
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.layering) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
             if blending(seq):

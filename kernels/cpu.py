@@ -46,7 +46,7 @@ DECODE_H = SOURCE.with_name("cpu_decode.h")
 CASCADE = SOURCE.with_name("cpu_cascade.cpp")  # and torch.ops.tierkv.paged_decode_cascade
 STEP = SOURCE.with_name(
     "cpu_step.cpp"
-)  # and torch.ops.tierkv.decode_layer (the others, in one call)
+)  # torch.ops.tierkv.decode_layer(s) (the others, in one call)
 # the library's translation units
 BUILT = (SOURCE, DECODE_DOT, CASCADE, OPS, LAYER, PREFILL, PREFILL_DOT, GEMV, STEP)
 # Keys per decode task: at least this many, and at most enough for ~4 tasks per thread. Equal

@@ -1,4 +1,5 @@
-// torch.ops.tierkv.decode_layer: one decoder layer of a decode step in one call.
+// torch.ops.tierkv.decode_layer: one decoder layer of a decode step in one call; decode_layers:
+// every layer of it in one call, for a step with no per-layer connector work.
 //
 // It runs LlamaForCausalLM.forward's loop body (engine/model.py) op for op, on the same kernels
 // (called through the dispatcher, so each is the op the Python loop calls) and in the same order,
@@ -74,6 +75,31 @@ T decode_layer(const T& h0, const T& cos, const T& sin, T& k_cache, T& v_cache, 
   return h + lin(o.silu.call(lin(o.norm.call(h, norm2, eps), 2)), 3);
 }
 
+// decode_layer over every layer: k_caches/v_caches/norm1/norm2 one entry per layer, w/gemv/bias/
+// limit four per layer (qkv, o, gate_up, down), in layer order.
+T decode_layers(const T& h0, const T& cos, const T& sin, at::TensorList k_caches, at::TensorList v_caches,
+                const T& slots, const T& ids, const T& seen, double scale, int64_t chunk, at::TensorList norm1,
+                at::TensorList norm2, double eps, int64_t hq, int64_t hkv, at::TensorList w,
+                const c10::List<Opt>& gemv, const c10::List<Opt>& bias, at::IntArrayRef limit) {
+  const size_t n = k_caches.size();
+  TORCH_CHECK(v_caches.size() == n && norm1.size() == n && norm2.size() == n,
+              "decode_layers: one cache pair and two norms per layer");
+  TORCH_CHECK(w.size() == 4 * n && gemv.size() == 4 * n && bias.size() == 4 * n && limit.size() == 4 * n,
+              "decode_layers: four linear layers per layer");
+  T h = h0;
+  for (size_t i = 0; i < n; ++i) {
+    c10::List<Opt> g, b;
+    for (size_t j = 4 * i; j < 4 * i + 4; ++j) {
+      g.push_back(gemv.get(j));
+      b.push_back(bias.get(j));
+    }
+    T k = k_caches[i], v = v_caches[i];
+    h = decode_layer(h, cos, sin, k, v, slots, ids, seen, scale, chunk, norm1[i], norm2[i], eps, hq, hkv,
+                     w.slice(4 * i, 4), g, b, limit.slice(4 * i, 4));
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tierkv, m) {
@@ -82,4 +108,9 @@ TORCH_LIBRARY_FRAGMENT(tierkv, m) {
       "Tensor ids, Tensor seen, float scale, int chunk, Tensor norm1, Tensor norm2, float eps, int hq, int hkv, "
       "Tensor[] w, Tensor?[] gemv, Tensor?[] bias, int[] limit) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+  m.def(
+      "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+      "Tensor slots, Tensor ids, Tensor seen, float scale, int chunk, Tensor[] norm1, Tensor[] norm2, float eps, "
+      "int hq, int hkv, Tensor[] w, Tensor?[] gemv, Tensor?[] bias, int[] limit) -> Tensor");
+  m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
 }

@@ -1,16 +1,19 @@
-"""A decode step in one op call per layer (engine/decode_step.py, kernels/cpu_step.cpp): the
-same bits as the Python loop, in every dtype and linear-layer path; it runs where it should and
-only there; the connector sees every layer's load wait and save in order."""
+"""A decode step in one op call, or one per layer where the connector has per-layer work
+(engine/decode_step.py, kernels/cpu_step.cpp): the same bits as the Python loop, in every dtype
+and linear-layer path; it runs where it should and only there; a connector with per-layer work
+sees every layer's load wait and save in order."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tierkv.engine import LLM, SamplingParams
-from tierkv.engine.kv_connector import NoOpConnector
 from tierkv.engine.models import pull
+from tierkv.engine.noop_connector import NoOpConnector
 
 CFG = dict(
     hidden_size=128,
@@ -33,7 +36,7 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (5 + 7 * i,), generator=g).tolist() for i in range(n)]
 
 
-def both_ways(model: str | dict, batch: list[list[int]], **kw) -> list[list[torch.Tensor]]:
+def both_ways(model: str | dict, batch: list[list[int]], **kw: Any) -> list[list[torch.Tensor]]:
     """Every step's logits for the same requests, with the fused step and then, on the same
     engine, with the Python loop (no prefix cache: the second run computes what the first did)."""
     llm = LLM(model, enable_prefix_caching=False, **kw)
@@ -58,7 +61,9 @@ def fused_ran(llm: LLM, batch: list[list[int]]) -> int:
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(batch, sp, use_tqdm=False)
-    return sum(e.count for e in prof.key_averages() if e.key == "tierkv::decode_layer")
+    layers = len(llm.runner.layer_caches)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    return calls.get("tierkv::decode_layer", 0) + layers * calls.get("tierkv::decode_layers", 0)
 
 
 @pytest.mark.parametrize(
@@ -123,6 +128,9 @@ class Hooks(NoOpConnector):
         super().__init__()
         self.calls: list[tuple[str, int]] = []
 
+    def layer_work(self) -> bool:
+        return True
+
     def wait_for_layer_load(self, layer: int) -> None:
         self.calls.append(("wait", layer))
 
@@ -138,3 +146,43 @@ def test_fused_decode_calls_the_connector_hooks_per_layer() -> None:
     layers = range(CFG["num_hidden_layers"])
     step = [c for i in layers for c in (("wait", i), ("save", i))]
     assert hooks.calls == step * 3  # the prefill and two decode steps
+    calls = {e.key: e.count for e in profiled(llm, prompts(2, CFG["vocab_size"], seed=3))}
+    assert calls.get("tierkv::decode_layers", 0) == 0 and calls["tierkv::decode_layer"] > 0
+
+
+def test_one_call_and_one_call_per_layer_give_the_same_bits() -> None:
+    batch = prompts(4, CFG["vocab_size"])
+    kw: dict[str, Any] = dict(dtype="bf16", kv_cache_bytes=8 << 20, block_size=4)
+    whole, loop = both_ways(dict(CFG), batch, **kw)
+    per_layer, _ = both_ways(dict(CFG), batch, kv_connector=Hooks(), **kw)
+    assert all(torch.equal(x, y) for x, y in zip(whole, per_layer)) and len(whole) > 6
+
+
+def test_the_tierkv_connector_lets_decode_steps_run_in_one_call() -> None:
+    """Its decode steps load and save nothing: one op call each. A second engine loads the
+    prompts from the same tier: its first step computes each prompt's last token over the
+    loaded KV, a step of decode rows with loads, so one call per layer with the hooks; the
+    tokens are the first engine's."""
+    from tierkv.connector import ConnectorConfig, TierKVConnector
+    from tierkv.storage_backends.cpu_tier import CpuTier, CpuTierConfig
+
+    tier = CpuTier(CpuTierConfig(capacity_bytes="64MiB"))
+    batch = [p * 4 for p in prompts(2, CFG["vocab_size"])]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    texts, ops = [], []
+    for _ in range(2):
+        conn = TierKVConnector(ConnectorConfig(chunk_size=8), tiers=[tier])
+        llm = LLM(dict(CFG), dtype="fp32", kv_cache_bytes=8 << 20, block_size=8, kv_connector=conn)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            texts.append([o.token_ids for o in llm.generate(batch, sp, use_tqdm=False)])
+        calls = {e.key: e.count for e in prof.key_averages()}
+        ops.append((calls.get("tierkv::decode_layers", 0), calls.get("tierkv::decode_layer", 0)))
+    layers = CFG["num_hidden_layers"]
+    assert ops == [(5, 0), (5, layers)] and conn.stats.loaded_tokens > 0
+    assert texts[0] == texts[1]
+
+
+def profiled(llm: LLM, batch: list[list[int]]) -> list[Any]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(batch, SamplingParams(max_tokens=3), use_tqdm=False)
+    return list(prof.key_averages())

@@ -125,7 +125,7 @@ def test_failed_load_restarts_only_that_one() -> None:
     from tests.test_scheduler import add
     from tierkv.engine.block_manager import BlockManager
     from tierkv.engine.config import EngineConfig
-    from tierkv.engine.kv_connector import NoOpConnector
+    from tierkv.engine.noop_connector import NoOpConnector
     from tierkv.engine.scheduler import Scheduler
     from tierkv.engine.sequence import Status
 
@@ -141,3 +141,33 @@ def test_failed_load_restarts_only_that_one() -> None:
     assert s.layering == [a] and a.layering is not None and list(s.waiting) == [b]
     assert b.layering is None and not b.block_table and b.status == Status.WAITING
     s.check_integrity()
+
+
+@pytest.mark.parametrize("first_short", [True, False])
+def test_layered_prompts_count_toward_max_num_seqs(first_short: bool) -> None:
+    """max_num_seqs bounds the running sequences and the layered prefills together: with two
+    allowed and two taken (a decode and a layered prompt, or two layered prompts), a third
+    waits, though max_layered has room for it."""
+    from tests.test_scheduler import add
+    from tierkv.engine.block_manager import BlockManager
+    from tierkv.engine.config import EngineConfig
+    from tierkv.engine.noop_connector import NoOpConnector
+    from tierkv.engine.scheduler import Scheduler
+
+    cfg = EngineConfig(
+        block_size=4,
+        max_num_batched_tokens=8,
+        prefill_mode="layered",
+        layered_step_rows=8,
+        max_num_seqs=2,
+        max_layered=3,
+    )
+    s = Scheduler(cfg, BlockManager(64, 4, True), NoOpConnector(), [], 4096, num_layers=2)
+    first = add(s, 0, 6 if first_short else 40)  # 6 tokens fit a step: a plain prefill
+    s.postprocess(s.schedule(), {}, set())
+    second, third = add(s, 1, 40), add(s, 2, 40)
+    for _ in range(3):
+        s.postprocess(s.schedule(), {}, set())
+        assert len(s.running) + len(s.layering) == 2 and third in s.waiting
+        assert (first in s.running) == first_short and second in s.layering
+        s.check_integrity()

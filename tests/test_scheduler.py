@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tierkv.engine.block_manager import BlockManager
 from tierkv.engine.config import EngineConfig
-from tierkv.engine.kv_connector import NoOpConnector
+from tierkv.engine.noop_connector import NoOpConnector
 from tierkv.engine.sampling_params import SamplingParams
 from tierkv.engine.scheduler import Scheduler
 from tierkv.engine.sequence import Sequence, Status

@@ -162,7 +162,7 @@ def test_a_workflow_ranks_an_agents_cached_prompt_before_that_agent_runs_in_it()
     """Agents serve many workflows: workflow w2's table ranks the reviewer's prompt, cached by
     w1, through tag_prompt (a peek that changes nothing else)."""
     from tierkv.engine.block_manager import BlockManager, salted_key
-    from tierkv.engine.kv_connector import NoOpConnector
+    from tierkv.engine.noop_connector import NoOpConnector
     from tierkv.engine.workflow import StepPrefetch
 
     bm = BlockManager(64, BS, eviction="hinted")
