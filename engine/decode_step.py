@@ -26,33 +26,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class FusedLayer:
-    """One layer's weights as decode_layer takes them (qkv, o, gate_up, down)."""
-
-    norm1: torch.Tensor
-    norm2: torch.Tensor
-    w: list[torch.Tensor]
-    few: list[torch.Tensor | None]
-    bias: list[torch.Tensor | None]
-    limit: list[int]
-
-    @classmethod
-    def of(cls, norm1: torch.Tensor, norm2: torch.Tensor, specs: list[LinearSpec]) -> FusedLayer:
-        return cls(
-            norm1,
-            norm2,
-            [s.weight for s in specs],
-            [s.few for s in specs],
-            [s.bias for s in specs],
-            [s.limit for s in specs],
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class FusedModel:
-    """Every layer's FusedLayer, and their weights in one list each as decode_layers takes them."""
+    """Every layer's weights, one list each as decode_layers takes them: the norms one per
+    layer, the linear layers four per layer (qkv, o, gate_up, down); decode_layer takes layer
+    i's slice of each."""
 
-    layers: list[FusedLayer]
     norm1: list[torch.Tensor]
     norm2: list[torch.Tensor]
     w: list[torch.Tensor]
@@ -60,33 +38,27 @@ class FusedModel:
     bias: list[torch.Tensor | None]
     limit: list[int]
 
-    @classmethod
-    def of(cls, layers: list[FusedLayer]) -> FusedModel:
-        return cls(
-            layers,
-            [x.norm1 for x in layers],
-            [x.norm2 for x in layers],
-            [t for x in layers for t in x.w],
-            [t for x in layers for t in x.few],
-            [t for x in layers for t in x.bias],
-            [n for x in layers for n in x.limit],
-        )
-
 
 def fused_layers(model: LlamaForCausalLM, ops: StepOps, kv_dtype: torch.dtype) -> FusedModel | None:
     """The model's FusedModel where decode_layer(s) serve its decode steps (the C++ ops bound,
     the cache in the model's dtype), else None."""
     if not (ops.backend == "cpp" and ops.cpp and kv_dtype == ops.dtype):
         return None
-    out = []
-    for x in model.layers:
-        assert isinstance(x, DecoderLayer)
-        a, m = x.self_attn, x.mlp
-        specs = [spec(ops, p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-        out.append(
-            FusedLayer.of(x.input_layernorm.weight, x.post_attention_layernorm.weight, specs)
-        )
-    return FusedModel.of(out)
+    layers = [x for x in model.layers if isinstance(x, DecoderLayer)]
+    assert len(layers) == len(model.layers)
+    specs = [
+        spec(ops, p)
+        for x in layers
+        for p in (x.self_attn.qkv_proj, x.self_attn.o_proj, x.mlp.gate_up_proj, x.mlp.down_proj)
+    ]
+    return FusedModel(
+        [x.input_layernorm.weight for x in layers],
+        [x.post_attention_layernorm.weight for x in layers],
+        [s.weight for s in specs],
+        [s.few for s in specs],
+        [s.bias for s in specs],
+        [s.limit for s in specs],
+    )
 
 
 def spec(ops: StepOps, m: torch.nn.Module) -> LinearSpec:
@@ -103,7 +75,7 @@ def fits(ctx: Context) -> bool:
     )
 
 
-def fused_forward(runner: ModelRunner, fused: FusedModel, ctx: Context) -> torch.Tensor:
+def fused_forward(runner: ModelRunner, f: FusedModel, ctx: Context) -> torch.Tensor:
     """The step's final hidden states [N, hidden], as model(ctx.input_ids, ...) returns them."""
     assert ctx.decode is not None
     model, cfg, conn = runner.model, runner.cfg, runner.connector
@@ -113,18 +85,17 @@ def fused_forward(runner: ModelRunner, fused: FusedModel, ctx: Context) -> torch
     slots, scale, caches = ctx.slot_mapping, runner.scale, runner.layer_caches
     hq, hkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
     if not conn.layer_work():
-        f = fused
         return torch.ops.tierkv.decode_layers(
             h, cos, sin, [c.k for c in caches], [c.v for c in caches], slots, ids, seen, scale,
             chunk, f.norm1, f.norm2, eps, hq, hkv, f.w, f.few, f.bias, f.limit,
         )  # fmt: skip
     step = torch.ops.tierkv.decode_layer
-    for i, x in enumerate(fused.layers):
-        c = caches[i]
+    for i, c in enumerate(caches):
+        j = slice(4 * i, 4 * i + 4)
         conn.wait_for_layer_load(i)
         h = step(
             h, cos, sin, c.k, c.v, slots, ids, seen, scale, chunk,
-            x.norm1, x.norm2, eps, hq, hkv, x.w, x.few, x.bias, x.limit,
+            f.norm1[i], f.norm2[i], eps, hq, hkv, f.w[j], f.few[j], f.bias[j], f.limit[j],
         )  # fmt: skip
         conn.save_kv_layer(i, runner.kv_caches[i], ctx)
     return h

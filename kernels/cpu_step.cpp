@@ -53,16 +53,17 @@ T linear(const Ops& o, const T& x, const T& w, const Opt& g, const Opt& b, int64
   return at::linear(x, w, b);
 }
 
-T decode_layer(const T& h0, const T& cos, const T& sin, T& k_cache, T& v_cache, const T& slots, const T& ids,
-               const T& seen, double scale, int64_t chunk, const T& norm1, const T& norm2, double eps, int64_t hq,
-               int64_t hkv, at::TensorList w, const c10::List<Opt>& gemv, const c10::List<Opt>& bias,
-               at::IntArrayRef limit) {
-  TORCH_CHECK(w.size() == 4 && gemv.size() == 4 && bias.size() == 4 && limit.size() == 4,
-              "decode_layer: four linear layers (qkv, o, gate_up, down)");
+// One layer; its four linear layers are w/gemv/bias/limit[at .. at + 4).
+T layer(const T& h0, const T& cos, const T& sin, T& k_cache, T& v_cache, const T& slots, const T& ids,
+        const T& seen, double scale, int64_t chunk, const T& norm1, const T& norm2, double eps, int64_t hq,
+        int64_t hkv, at::TensorList w, const c10::List<Opt>& gemv, const c10::List<Opt>& bias,
+        at::IntArrayRef limit, size_t at) {
   TORCH_CHECK(h0.dim() == 2 && hq > 0 && hkv > 0, "decode_layer: h [N, hidden], hq and hkv > 0");
   const Ops& o = ops();
   const int64_t n = h0.size(0);
-  auto lin = [&](const T& x, int i) { return linear(o, x, w[i], gemv.get(i), bias.get(i), limit[i]); };
+  auto lin = [&](const T& x, size_t i) {
+    return linear(o, x, w[at + i], gemv.get(at + i), bias.get(at + i), limit[at + i]);
+  };
   const T qkv = lin(o.norm.call(h0, norm1, eps), 0);
   const int64_t d = qkv.size(1) / (hq + 2 * hkv);
   const auto parts = qkv.split_with_sizes({hq * d, hkv * d, hkv * d}, -1);
@@ -73,6 +74,16 @@ T decode_layer(const T& h0, const T& cos, const T& sin, T& k_cache, T& v_cache, 
                               c10::nullopt, chunk);
   const T h = h0 + lin(att.reshape({n, -1}), 1);
   return h + lin(o.silu.call(lin(o.norm.call(h, norm2, eps), 2)), 3);
+}
+
+T decode_layer(const T& h0, const T& cos, const T& sin, T& k_cache, T& v_cache, const T& slots, const T& ids,
+               const T& seen, double scale, int64_t chunk, const T& norm1, const T& norm2, double eps, int64_t hq,
+               int64_t hkv, at::TensorList w, const c10::List<Opt>& gemv, const c10::List<Opt>& bias,
+               at::IntArrayRef limit) {
+  TORCH_CHECK(w.size() == 4 && gemv.size() == 4 && bias.size() == 4 && limit.size() == 4,
+              "decode_layer: four linear layers (qkv, o, gate_up, down)");
+  return layer(h0, cos, sin, k_cache, v_cache, slots, ids, seen, scale, chunk, norm1, norm2, eps, hq, hkv, w,
+               gemv, bias, limit, 0);
 }
 
 // decode_layer over every layer: k_caches/v_caches/norm1/norm2 one entry per layer, w/gemv/bias/
@@ -88,14 +99,9 @@ T decode_layers(const T& h0, const T& cos, const T& sin, at::TensorList k_caches
               "decode_layers: four linear layers per layer");
   T h = h0;
   for (size_t i = 0; i < n; ++i) {
-    c10::List<Opt> g, b;
-    for (size_t j = 4 * i; j < 4 * i + 4; ++j) {
-      g.push_back(gemv.get(j));
-      b.push_back(bias.get(j));
-    }
     T k = k_caches[i], v = v_caches[i];
-    h = decode_layer(h, cos, sin, k, v, slots, ids, seen, scale, chunk, norm1[i], norm2[i], eps, hq, hkv,
-                     w.slice(4 * i, 4), g, b, limit.slice(4 * i, 4));
+    h = layer(h, cos, sin, k, v, slots, ids, seen, scale, chunk, norm1[i], norm2[i], eps, hq, hkv, w, gemv, bias,
+              limit, 4 * i);
   }
   return h;
 }
